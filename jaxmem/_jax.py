@@ -1,0 +1,150 @@
+"""The one home for JAX internals that jaxmem relies on.
+
+Everything jaxmem needs from JAX that is not a documented public API lives here, so that a
+JAX upgrade is a one-file change. The tested range is pinned in ``pyproject.toml``
+(jax 0.10.x on CPU machines, 0.11.x on the GPU machine). Public JAX API used elsewhere in
+jaxmem (``jax.make_jaxpr``, ``jax.checkpoint``, ``jax.ad_checkpoint``, ``jax.extend.core``)
+is imported directly where it is used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.extend  # noqa: F401  (plain `import jax` does not expose jax.extend)
+import jax.extend.core as jcore
+from jax._src import source_info_util as _siu
+from jax._src.ad_checkpoint import saved_residuals as _saved_residuals
+
+ClosedJaxpr = jcore.ClosedJaxpr
+Jaxpr = jcore.Jaxpr
+JaxprEqn = jcore.JaxprEqn
+Var = jcore.Var
+Literal = jcore.Literal
+DropVar = jcore.DropVar
+Primitive = jcore.Primitive
+primitives = jcore.primitives
+jaxprs_in_params = jcore.jaxprs_in_params
+
+name_p = primitives.name_p
+optimization_barrier_p = getattr(primitives, "optimization_barrier_p", None)
+if optimization_barrier_p is None:  # pragma: no cover - depends on the jax version
+    from jax._src.lax.lax import optimization_barrier_p  # type: ignore[no-redef]
+
+# Control-flow / call primitives whose nested jaxprs jaxmem walks. Names, not objects, so a
+# renamed primitive (pjit -> jit in 0.7) only needs this table updated.
+JIT_NAMES = frozenset({"jit", "pjit", "closed_call", "core_call"})
+REMAT_NAMES = frozenset({"remat", "remat2", "checkpoint"})
+CUSTOM_NAMES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+LOOP_NAMES = frozenset({"scan", "while"})
+COND_NAMES = frozenset({"cond"})
+
+
+# --- name stacks --------------------------------------------------------------------------
+
+def name_stack(eqn: JaxprEqn) -> Any:
+    """The equation's ``NameStack`` (semi-private ``source_info.name_stack``)."""
+    return eqn.source_info.name_stack
+
+
+def transforms(eqn: JaxprEqn) -> tuple[str, ...]:
+    """Names of the transforms in an equation's name stack, outermost first."""
+    return tuple(
+        s.name for s in name_stack(eqn).stack if type(s).__name__ == "Transform"
+    )
+
+
+def scopes(eqn: JaxprEqn) -> tuple[str, ...]:
+    """User scopes (flax module paths, ``jax.named_scope``) in an equation's name stack."""
+    out = []
+    for s in name_stack(eqn).stack:
+        if type(s).__name__ == "Scope":
+            out.extend(p for p in s.name.split("/") if p)
+    return tuple(out)
+
+
+def name_stack_str(eqn: JaxprEqn) -> str:
+    return str(name_stack(eqn))
+
+
+def is_backward(eqn: JaxprEqn) -> bool:
+    """True for equations made by transposition (the backward pass)."""
+    return "transpose" in transforms(eqn)
+
+
+def is_forward(eqn: JaxprEqn) -> bool:
+    """True for equations made by the JVP that are not transposed (the forward pass)."""
+    t = transforms(eqn)
+    return "jvp" in t and "transpose" not in t
+
+
+@contextlib.contextmanager
+def source_context(eqn: JaxprEqn) -> Iterator[None]:
+    """Re-emit under the equation's traceback and name stack, so profiles keep reading."""
+    with _siu.user_context(eqn.source_info.traceback, name_stack=name_stack(eqn)):
+        yield
+
+
+@contextlib.contextmanager
+def extend_name_stack(name: str) -> Iterator[None]:
+    with _siu.extend_name_stack(name):
+        yield
+
+
+# --- binding ------------------------------------------------------------------------------
+
+def bind_params(eqn: JaxprEqn) -> dict[str, Any]:
+    """Params to re-bind an equation's primitive (``get_bind_params`` returns one dict)."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    if isinstance(params, tuple):  # pragma: no cover - jax < 0.7 returned (subfuns, params)
+        subfuns, params = params
+        if subfuns:
+            raise NotImplementedError(f"cannot rebind {eqn.primitive} with subfuns")
+    return params
+
+
+def bind(eqn: JaxprEqn, *args: Any) -> list[Any]:
+    out = eqn.primitive.bind(*args, **bind_params(eqn))
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+# --- residual introspection ---------------------------------------------------------------
+
+def saved_residuals(fn: Any, *args: Any, **kwargs: Any) -> list[tuple[Any, str]]:
+    """JAX's own residual list for ``fn``: ``[(aval, description)]`` (semi-private)."""
+    return list(_saved_residuals(fn, *args, **kwargs))
+
+
+def aval_memory_space(aval: Any) -> Any:
+    return getattr(aval, "memory_space", None)
+
+
+def host_space() -> Any:
+    return jax.memory.Space.Host
+
+
+def default_backend_initialized() -> bool:
+    """Whether an XLA backend has already been created in this process."""
+    from jax._src import xla_bridge
+
+    return bool(getattr(xla_bridge, "_backends", {}))
+
+
+def literal_value(x: Any) -> Any:
+    return x.val if isinstance(x, Literal) else None
+
+
+def is_literal(x: Any) -> bool:
+    return isinstance(x, Literal)
+
+
+def is_dropvar(x: Any) -> bool:
+    return isinstance(x, DropVar)
+
+
+def sub_jaxprs(eqn: JaxprEqn) -> Sequence[Jaxpr]:
+    """Open jaxprs nested in an equation's params (jit, scan, cond branches, while, ...)."""
+    return list(jaxprs_in_params(eqn.params))

@@ -1,0 +1,120 @@
+"""Memory and FLOP figures read from XLA's compiled executable.
+
+This is the ground truth every jaxmem claim is checked against. The peak figure is
+``argument + output + temp - alias`` of ``Compiled.memory_analysis()`` (per device): temp
+alone undercounts, because XLA places temporaries inside output allocations.
+
+On CPU, XLA's ``cse_barrier_expander`` pass deletes ``optimization_barrier``s and with them
+every rematerialisation; :func:`compile` disables that pass there so that what is measured on
+CPU is what a GPU would run. Every variant that is compared (the plain-jit baseline included)
+must be compiled through :func:`compile` so that the comparison is fair.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+#: Compiler options that keep optimisation barriers (and therefore remat) on CPU.
+CPU_BARRIER_OPTIONS: dict[str, str] = {"xla_disable_hlo_passes": "cse_barrier_expander"}
+
+
+def compiler_options(platform: str | None = None) -> dict[str, str]:
+    """The compiler options jaxmem compiles with on ``platform`` (default: the default backend)."""
+    platform = platform or jax.default_backend()
+    return dict(CPU_BARRIER_OPTIONS) if platform == "cpu" else {}
+
+
+def _platform_of(lowered: Any) -> str:
+    try:
+        return lowered._lowering.compile_args["platforms"][0]  # noqa: SLF001
+    except Exception:  # noqa: BLE001 - fall back to the default backend
+        return jax.default_backend()
+
+
+def compile(lowered: Any, options: dict[str, Any] | None = None) -> Any:  # noqa: A001
+    """Compile a ``jax.stages.Lowered`` with jaxmem's options (barrier flag on CPU)."""
+    opts = compiler_options(_platform_of(lowered))
+    if options:
+        opts.update(options)
+    return lowered.compile(compiler_options=opts) if opts else lowered.compile()
+
+
+@dataclasses.dataclass(frozen=True)
+class Figures:
+    """What XLA says a compiled program needs, per device, in bytes (and FLOPs).
+
+    Attributes:
+      argument, output, temp, alias: the ``memory_analysis()`` fields.
+      host_temp: temporaries XLA placed in host memory (offload on GPU/TPU).
+      flops: ``cost_analysis()['flops']``. A scan/while body is counted once by XLA.
+      bytes_accessed: ``cost_analysis()['bytes accessed']``.
+    """
+
+    argument: int
+    output: int
+    temp: int
+    alias: int
+    host_temp: int = 0
+    flops: float = 0.0
+    bytes_accessed: float = 0.0
+
+    @property
+    def peak(self) -> int:
+        """``argument + output + temp - alias``: the figure jaxmem plans and budgets against."""
+        return self.argument + self.output + self.temp - self.alias
+
+    def __str__(self) -> str:
+        return (
+            f"peak {fmt_bytes(self.peak)} (arg {fmt_bytes(self.argument)}, out "
+            f"{fmt_bytes(self.output)}, temp {fmt_bytes(self.temp)}, alias "
+            f"{fmt_bytes(self.alias)}), {self.flops / 1e9:.3f} GFLOP"
+        )
+
+
+def figures(compiled: Any) -> Figures:
+    """Read :class:`Figures` from a ``jax.stages.Compiled``."""
+    m = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list | tuple):  # older jax returned one dict per device
+        cost = cost[0] if cost else {}
+    cost = cost or {}
+    return Figures(
+        argument=int(m.argument_size_in_bytes),
+        output=int(m.output_size_in_bytes),
+        temp=int(m.temp_size_in_bytes),
+        alias=int(m.alias_size_in_bytes),
+        host_temp=int(getattr(m, "host_temp_size_in_bytes", 0)),
+        flops=float(cost.get("flops", 0.0)),
+        bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+    )
+
+
+def measure(fn: Any, *args: Any, **kwargs: Any) -> Figures:
+    """Compile ``fn`` (jitting it if needed) for ``args`` the jaxmem way and return its figures.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxmem
+      >>> f = jaxmem.measure.measure(lambda x: (x @ x).sum(), jnp.ones((64, 64)))
+      >>> f.argument
+      16384
+    """
+    lower = getattr(fn, "lower", None)
+    if lower is None:
+        lower = jax.jit(fn).lower
+    return figures(compile(lower(*args, **kwargs)))
+
+
+_UNITS = [("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)]
+
+
+def fmt_bytes(n: float) -> str:
+    """``1536 -> '1.50 KiB'``; binary units, as XLA and nvidia-smi report them."""
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit, size in _UNITS:
+        if n >= size:
+            return f"{sign}{n / size:.2f} {unit}"
+    return f"{sign}{int(n)} B"
