@@ -148,3 +148,64 @@ def is_dropvar(x: Any) -> bool:
 def sub_jaxprs(eqn: JaxprEqn) -> Sequence[Jaxpr]:
     """Open jaxprs nested in an equation's params (jit, scan, cond branches, while, ...)."""
     return list(jaxprs_in_params(eqn.params))
+
+
+# --- managed memory (jaxmem.managed_memory) -----------------------------------------------
+
+def initialized_platforms() -> tuple[str, ...]:
+    """Platforms whose XLA backend this process has already created (starts nothing)."""
+    from jax._src import xla_bridge
+
+    return tuple(getattr(xla_bridge, "_backends", {}) or ())
+
+
+def gpu_client_options_from_env() -> dict[str, Any] | None:
+    """The PJRT GPU plugin options jaxlib derives from the environment, or None if unknown.
+
+    ``jaxlib.xla_client.generate_pjrt_gpu_plugin_options`` reads the ``XLA_*`` variables
+    when the CUDA backend is created; calling it only reads ``os.environ``. Raises what it
+    raises (``ValueError`` when both memory-fraction names are set).
+    """
+    from jaxlib import xla_client
+
+    fn = getattr(xla_client, "generate_pjrt_gpu_plugin_options", None)
+    return None if fn is None else dict(fn())
+
+
+def has_visible_nvidia_gpu() -> bool:
+    """True if an NVIDIA device node is visible (JAX's own check; starts nothing)."""
+    try:
+        from jax._src import hardware_utils
+
+        return bool(hardware_utils.has_visible_nvidia_gpu())
+    except (ImportError, AttributeError):  # pragma: no cover - depends on the jax version
+        import os
+
+        return any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg"))
+
+
+def cuda_plugin_installed() -> bool:
+    """True if a jax CUDA PJRT plugin (``jax-cuda12-pjrt`` / ``jax-cuda13-pjrt``) is installed."""
+    import importlib.util
+
+    for name in ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12"):
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return True
+        except (ImportError, ValueError):
+            continue
+    return False
+
+
+def shard_buffers(x: Any) -> list[tuple[Any, int, int]]:
+    """``[(device, raw pointer, bytes on device)]`` for each addressable shard of an array.
+
+    ``unsafe_buffer_pointer()`` refuses sharded arrays, so this goes shard by shard.
+    """
+    out = []
+    for s in x.addressable_shards:
+        data = s.data
+        size = getattr(data, "on_device_size_in_bytes", None)
+        nbytes = int(size()) if callable(size) else int(data.nbytes)
+        out.append((s.device, int(data.unsafe_buffer_pointer()), nbytes))
+    return out
