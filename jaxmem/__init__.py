@@ -6,8 +6,13 @@ Public entry points (see README.md and docs/):
 - :mod:`jaxmem.measure` — XLA's own compiled memory figures, measured the jaxmem way.
 """
 
-from jaxmem import measure
+from jaxmem import measure, primitives, program
+from jaxmem.analysis import Analysis, Residual, analyze
+from jaxmem.program import Program, TraceError, trace
 
 __version__ = "0.1.0.dev0"
 
-__all__ = ["measure"]
+__all__ = [
+    "Analysis", "Program", "Residual", "TraceError", "analyze", "measure", "primitives",
+    "program", "trace",
+]

@@ -150,6 +150,44 @@ def sub_jaxprs(eqn: JaxprEqn) -> Sequence[Jaxpr]:
     return list(jaxprs_in_params(eqn.params))
 
 
+def concat_name_stack(outer: Any, inner: Any) -> Any:
+    """The name stack of an equation inlined from a nested jaxpr (outer + inner)."""
+    import dataclasses
+
+    return dataclasses.replace(outer, stack=tuple(outer.stack) + tuple(inner.stack))
+
+
+def transforms_of(stack: Any) -> tuple[str, ...]:
+    return tuple(s.name for s in stack.stack if type(s).__name__ == "Transform")
+
+
+def scopes_of(stack: Any) -> tuple[str, ...]:
+    out: list[str] = []
+    for s in stack.stack:
+        if type(s).__name__ == "Scope":
+            out.extend(p for p in s.name.split("/") if p)
+    return tuple(out)
+
+
+@contextlib.contextmanager
+def user_context(traceback: Any, stack: Any) -> Iterator[None]:
+    """Bind primitives under a given traceback and name stack."""
+    with _siu.user_context(traceback, name_stack=stack):
+        yield
+
+
+def jit_inlinable(eqn: JaxprEqn) -> bool:
+    """A nested ``jit`` can be inlined when it pins no shardings or layouts of its own."""
+    p = eqn.params
+    for key in ("in_shardings", "out_shardings"):
+        if any(type(s).__name__ != "UnspecifiedValue" for s in p.get(key, ())):
+            return False
+    for key in ("in_layouts", "out_layouts"):
+        if any(lay is not None for lay in p.get(key, ())):
+            return False
+    return not p.get("compiler_options_kvs")
+
+
 # --- managed memory (jaxmem.managed_memory) -----------------------------------------------
 
 def initialized_platforms() -> tuple[str, ...]:
