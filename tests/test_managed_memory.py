@@ -375,3 +375,20 @@ def test_binding_against_wheel_cudart(path):
 def test_advise_signature_by_version():
     assert mm.advise_signature(13000) == "location" and mm.advise_signature(13020) == "location"
     assert mm.advise_signature(12080) == "device" and mm.advise_signature(11080) == "device"
+
+
+# --- the GPU benchmark script -----------------------------------------------------------------
+
+@pytest.mark.skipif(
+    _jax.cuda_plugin_installed() and _jax.has_visible_nvidia_gpu(),
+    reason="a GPU is present: the script would run the real benchmark (minutes)",
+)
+def test_gpu_benchmark_exits_cleanly_without_gpu(tmp_path):
+    out = tmp_path / "mm.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "managed_memory_gpu.py"), "--out", str(out)],
+        env=_fresh_env() | {"JAX_PLATFORMS": ""}, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "No NVIDIA GPU" in proc.stdout and "ready" in proc.stdout
+    assert json.loads(out.read_text())["status"] == "skipped"
