@@ -1,0 +1,281 @@
+"""``@jaxmem.optimize``: a drop-in ``jax.jit`` for train steps that needs less memory.
+
+The last box of the data flow: trace the step, analyse it, plan, rewrite the joint jaxpr,
+jit the result and compile it the jaxmem way (barrier flag on CPU), then check XLA's figures
+against the plan. Plans and executables are cached per argument shapes, dtypes, shardings
+and static arguments, like ``jax.jit``'s cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from jaxmem import measure
+from jaxmem import plan as planning
+from jaxmem.analysis import Analysis, from_program
+from jaxmem.measure import Figures
+from jaxmem.plan import Plan
+from jaxmem.program import check_leaves, trace
+from jaxmem.rewrite import rewrite
+
+STRATEGIES = ("auto", "none")
+
+
+class Lowered:
+    """``jax.stages.Lowered`` whose ``compile()`` uses jaxmem's compiler options.
+
+    On CPU that keeps optimisation barriers, so ``memory_analysis()`` reflects the plan.
+    Everything else is delegated to the wrapped object.
+    """
+
+    def __init__(self, lowered: Any) -> None:
+        self._lowered = lowered
+
+    def compile(self, compiler_options: dict[str, Any] | None = None) -> Any:
+        return measure.compile(self._lowered, compiler_options)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._lowered, name)
+
+
+@dataclasses.dataclass
+class _Entry:
+    analysis: Analysis
+    plan: Plan
+    jitted: Any
+    donate_flat: tuple[int, ...]
+    compiled: Any = None
+
+
+def _leaf_key(x: Any) -> Any:
+    sharding = getattr(x, "sharding", None)
+    weak = getattr(x, "weak_type", False)
+    if isinstance(x, bool | int | float | complex):
+        return (type(x).__name__,)
+    return (tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x))), weak,
+            None if sharding is None else repr(sharding))
+
+
+def _normalise_argnums(argnums: int | Sequence[int] | None, n: int) -> tuple[int, ...]:
+    if argnums is None:
+        return ()
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    out = []
+    for a in nums:
+        if not -n <= a < n:
+            raise ValueError(f"argnum {a} is out of range for {n} positional arguments")
+        out.append(a % n)
+    return tuple(sorted(set(out)))
+
+
+class Optimized:
+    """A train step wrapped by :func:`optimize`. Call it like the original function."""
+
+    def __init__(self, fn: Callable[..., Any], *, budget: Any = None, strategy: str = "auto",
+                 offload: bool | str = False, static_argnums: int | Sequence[int] | None = None,
+                 donate_argnums: int | Sequence[int] | str | None = "auto",
+                 max_recompute_fraction: float = 0.05, **jit_kwargs: Any) -> None:
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        if offload not in (False, True, "auto"):
+            raise ValueError(f"offload must be True, False or 'auto', got {offload!r}")
+        unknown = set(jit_kwargs) - {"keep_unused", "inline"}
+        if unknown:
+            raise TypeError(f"optimize got unsupported jit arguments {sorted(unknown)}; "
+                            "shardings follow the arguments' own shardings")
+        self.fn = fn
+        self.budget = budget
+        self.strategy = strategy
+        self.offload = offload
+        self.static_argnums = static_argnums
+        self.donate_argnums = donate_argnums
+        self.max_recompute_fraction = max_recompute_fraction
+        self.jit_kwargs = jit_kwargs
+        self._cache: dict[Any, _Entry] = {}
+        self._warned_no_backward = False
+        functools.update_wrapper(self, fn)
+
+    # -- public -----------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        entry, flat, out_tree = self._prepare(args, kwargs)
+        if entry.compiled is None:
+            entry.compiled = measure.compile(entry.jitted.lower(*flat))
+        try:
+            outs = entry.compiled(*flat)
+        except (TypeError, ValueError):
+            # An executable is strict about committed devices/shardings; jit is not.
+            outs = entry.jitted(*flat)
+        return jax.tree_util.tree_unflatten(out_tree, outs)
+
+    def lower(self, *args: Any, **kwargs: Any) -> Lowered:
+        """Like ``jax.jit(f).lower``; ``.compile()`` on the result applies jaxmem's options."""
+        entry, flat, _ = self._prepare(args, kwargs)
+        return Lowered(entry.jitted.lower(*flat))
+
+    def trace(self, *args: Any, **kwargs: Any) -> Any:
+        """Like ``jax.jit(f).trace``: a ``jax.stages.Traced`` of the rewritten step."""
+        entry, flat, _ = self._prepare(args, kwargs)
+        return entry.jitted.trace(*flat)
+
+    def plan(self, *args: Any, **kwargs: Any) -> Plan:
+        """The :class:`~jaxmem.plan.Plan` for these arguments, with compiled figures."""
+        entry, flat, _ = self._prepare(args, kwargs)
+        if entry.plan.compiled is None:
+            if entry.compiled is None:
+                entry.compiled = measure.compile(entry.jitted.lower(*flat))
+            baseline = self._baseline(entry, flat)
+            entry.plan = entry.plan.with_figures(measure.figures(entry.compiled), baseline)
+        return entry.plan
+
+    def analysis(self, *args: Any, **kwargs: Any) -> Analysis:
+        """The :class:`~jaxmem.analysis.Analysis` the plan was made from."""
+        return self._prepare(args, kwargs)[0].analysis
+
+    # -- internals --------------------------------------------------------------------------
+    def _split(self, args: tuple[Any, ...]) -> tuple[tuple[int, ...], tuple[Any, ...]]:
+        static = _normalise_argnums(self.static_argnums, len(args))
+        return static, tuple(args[i] for i in static)
+
+    def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[_Entry, list, Any]:
+        static, static_vals = self._split(args)
+        dyn_args = tuple(a for i, a in enumerate(args) if i not in static)
+        check_leaves(dyn_args, kwargs)
+        flat, in_tree = jax.tree_util.tree_flatten((dyn_args, kwargs))
+        try:
+            key = (in_tree, tuple(_leaf_key(x) for x in flat), static, static_vals)
+            hash(key)
+        except TypeError as e:
+            raise TypeError(f"static arguments must be hashable: {e}") from e
+        entry = self._cache.get(key)
+        if entry is None:
+            entry = self._build(args, static, dyn_args, kwargs)
+            self._cache[key] = entry
+        out_tree = entry.analysis.program.out_tree
+        return entry, flat, out_tree
+
+    def _bound(self, args: tuple[Any, ...], static: tuple[int, ...]) -> Callable[..., Any]:
+        def call(*dyn: Any, **kw: Any) -> Any:
+            it = iter(dyn)
+            full = [args[i] if i in static else next(it) for i in range(len(args))]
+            return self.fn(*full, **kw)
+        return call
+
+    def _donated(self, dyn_args: tuple[Any, ...], analysis: Analysis) -> tuple[int, ...]:
+        """Positional (dynamic) argument indices to donate."""
+        if self.donate_argnums == "auto":
+            out_avals: dict[Any, int] = {}
+            prog = analysis.program
+            for v in prog.outputs:
+                k = (prog.values[v].shape, prog.values[v].dtype)
+                out_avals[k] = out_avals.get(k, 0) + 1
+            chosen = []
+            for i, a in enumerate(dyn_args):
+                leaves = jax.tree_util.tree_leaves(a)
+                need: dict[Any, int] = {}
+                for x in leaves:
+                    k = (tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", "")))
+                    need[k] = need.get(k, 0) + 1
+                arrays = [x for x in leaves if isinstance(x, jax.Array)]
+                if arrays and len(arrays) == len(leaves) and all(
+                        out_avals.get(k, 0) >= c for k, c in need.items()):
+                    chosen.append(i)
+                    for k, c in need.items():
+                        out_avals[k] -= c
+            return tuple(chosen)
+        return _normalise_argnums(self.donate_argnums, len(dyn_args))
+
+    def _build(self, args: tuple[Any, ...], static: tuple[int, ...], dyn_args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> _Entry:
+        program = trace(self._bound(args, static), *dyn_args, **kwargs)
+        analysis = from_program(program)
+        if not program.has_backward:
+            if not self._warned_no_backward:
+                warnings.warn(
+                    f"jaxmem.optimize: {getattr(self.fn, '__name__', 'fn')} has no backward "
+                    "pass (no jax.grad inside); running it as a plain jax.jit.",
+                    stacklevel=4)
+                self._warned_no_backward = True
+            plan = planning.plan_none(analysis)
+        elif self.strategy == "none":
+            plan = planning.plan_none(analysis)
+        else:
+            plan = planning.plan_auto(analysis,
+                                      max_recompute_fraction=self.max_recompute_fraction)
+        donated = self._donated(dyn_args, analysis)
+        plan = dataclasses.replace(plan, donated=donated)
+        flat_fn = rewrite(program, plan.recompute, plan.offload,
+                          frozenset(r.value for r in analysis.residuals))
+        donate_flat = _flat_positions(dyn_args, kwargs, donated)
+        jitted = jax.jit(flat_fn, donate_argnums=donate_flat, **self.jit_kwargs)
+        return _Entry(analysis=analysis, plan=plan, jitted=jitted, donate_flat=donate_flat)
+
+    def _baseline(self, entry: _Entry, flat: list[Any]) -> Figures:
+        """Plain ``jax.jit`` of the same program, compiled the same way (same donation)."""
+        prog = entry.analysis.program
+        fn = rewrite(prog, frozenset(), frozenset(), frozenset())
+        return measure.figures(measure.compile(
+            jax.jit(fn, donate_argnums=entry.donate_flat, **self.jit_kwargs).lower(*flat)))
+
+
+def _flat_positions(dyn_args: tuple[Any, ...], kwargs: dict[str, Any],
+                    donated: tuple[int, ...]) -> tuple[int, ...]:
+    out, pos = [], 0
+    for i, a in enumerate(dyn_args):
+        n = len(jax.tree_util.tree_leaves(a))
+        if i in donated:
+            out.extend(range(pos, pos + n))
+        pos += n
+    return tuple(out)
+
+
+def optimize(fn: Callable[..., Any] | None = None, *, budget: Any = None,
+             strategy: str = "auto", offload: bool | str = False,
+             static_argnums: int | Sequence[int] | None = None,
+             donate_argnums: int | Sequence[int] | str | None = "auto",
+             max_recompute_fraction: float = 0.05, **jit_kwargs: Any) -> Any:
+    """Jit a train step so that it needs less accelerator memory, with the same results.
+
+    jaxmem traces the step (which calls ``jax.grad``/``value_and_grad`` and an optimizer
+    update inside), finds the forward values its backward pass reads, and re-creates the cheap
+    ones (utility-layer outputs: activations, normalisation, dropout masks, adds, pooling)
+    in the backward pass instead of keeping them, from the heavy outputs it keeps.
+
+    Args:
+      fn: the train step. ``optimize`` also works as a decorator, with or without arguments.
+      budget: peak-memory budget (bytes, ``"6GiB"``, or a fraction of the plain-jit peak).
+      strategy: ``"auto"`` (MEDL's rule, cost-aware) or ``"none"`` (plain jit: a baseline).
+      offload: park residuals in pinned host memory (``True``/``"auto"``), see docs.
+      static_argnums: positional arguments that are Python values, as in ``jax.jit``.
+      donate_argnums: ``"auto"`` donates each argument whose arrays all reappear as outputs
+        of the same shape and dtype (the train state): XLA then updates it in place. Pass
+        ``()`` to donate nothing (keep using the old arrays) or explicit indices.
+      max_recompute_fraction: recompute a residual only if its chain costs at most this
+        fraction of its layer's heavy FLOPs.
+      **jit_kwargs: ``keep_unused`` / ``inline``, passed to ``jax.jit``.
+
+    Returns:
+      An :class:`Optimized`: callable like the step; ``.lower``, ``.trace`` like ``jax.jit``;
+      ``.plan(*args)`` returns the :class:`~jaxmem.plan.Plan` with compiled figures.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxmem
+      >>> def step(w, x):
+      ...     loss, g = jax.value_and_grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+      ...     return w - 0.1 * g, loss
+      >>> fast = jaxmem.optimize(step, donate_argnums=())
+      >>> w, loss = fast(jnp.ones((8, 8)), jnp.ones((4, 8)))
+    """
+    kw = dict(budget=budget, strategy=strategy, offload=offload, static_argnums=static_argnums,
+              donate_argnums=donate_argnums, max_recompute_fraction=max_recompute_fraction,
+              **jit_kwargs)
+    if fn is None:
+        return lambda f: Optimized(f, **kw)
+    if not callable(fn):
+        raise TypeError(f"optimize expects a callable, got {type(fn).__name__}")
+    return Optimized(fn, **kw)

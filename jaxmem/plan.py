@@ -1,0 +1,230 @@
+"""Plans: for each residual, SAVE it, RECOMPUTE it in the backward pass, or OFFLOAD it.
+
+Third box of the data flow: ``Analysis -> Plan``. A :class:`Plan` is a plain, printable,
+immutable value; it says what it decided for every residual and why, what it predicts
+(peak, FLOPs overhead) and, once compiled, what XLA measured.
+
+The ``"auto"`` strategy is MEDL's rule made cost-aware: keep the outputs of heavy layers
+(matmuls, convolutions), drop and recompute the outputs of utility layers (activations,
+normalisation, dropout, adds, pooling, concatenation), unless
+
+- recomputing one costs more than ``max_recompute_fraction`` of its layer's heavy FLOPs, or
+- its recompute chain would keep alive more bytes (anchors not kept anyway) than it frees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections import defaultdict
+from collections.abc import Iterable
+
+from jaxmem.analysis import Analysis, Residual
+from jaxmem.measure import Figures, fmt_bytes
+
+
+class Decision(enum.Enum):
+    SAVE = "save"
+    RECOMPUTE = "recompute"
+    OFFLOAD = "offload"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What the plan does with one residual, and why."""
+
+    residual: Residual
+    decision: Decision
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Plan:
+    """Per-residual decisions plus predicted and (after compiling) measured figures."""
+
+    choices: tuple[Choice, ...]
+    strategy: str
+    recompute_flops: float
+    baseline_flops: float
+    predicted_peak: int | None = None
+    budget: int | None = None
+    donated: tuple[int, ...] = ()
+    compiled: Figures | None = None
+    baseline: Figures | None = None
+    notes: tuple[str, ...] = ()
+
+    def of(self, decision: Decision) -> tuple[Choice, ...]:
+        return tuple(c for c in self.choices if c.decision is decision)
+
+    @property
+    def recompute(self) -> frozenset[int]:
+        """Value ids the rewrite re-creates in the backward pass."""
+        return frozenset(c.residual.value for c in self.of(Decision.RECOMPUTE))
+
+    @property
+    def offload(self) -> frozenset[int]:
+        return frozenset(c.residual.value for c in self.of(Decision.OFFLOAD))
+
+    @property
+    def dropped_bytes(self) -> int:
+        return sum(c.residual.nbytes for c in self.choices if c.decision is not Decision.SAVE)
+
+    @property
+    def predicted_overhead(self) -> float:
+        """Recompute FLOPs as a fraction of the step's FLOPs (jaxmem's own count)."""
+        return self.recompute_flops / self.baseline_flops if self.baseline_flops else 0.0
+
+    @property
+    def saved_fraction(self) -> float | None:
+        """``1 - compiled peak / plain-jit peak``, once both were compiled."""
+        if self.compiled is None or self.baseline is None or not self.baseline.peak:
+            return None
+        return 1.0 - self.compiled.peak / self.baseline.peak
+
+    def with_figures(self, compiled: Figures | None = None,
+                     baseline: Figures | None = None) -> Plan:
+        return dataclasses.replace(self, compiled=compiled or self.compiled,
+                                   baseline=baseline or self.baseline)
+
+    def __str__(self) -> str:
+        n = {d: len(self.of(d)) for d in Decision}
+        lines = [
+            f"jaxmem.Plan (strategy={self.strategy!r}"
+            + (f", budget={fmt_bytes(self.budget)}" if self.budget else "") + ")",
+            f"  residuals: {len(self.choices)}; save {n[Decision.SAVE]}, recompute "
+            f"{n[Decision.RECOMPUTE]}, offload {n[Decision.OFFLOAD]} "
+            f"({fmt_bytes(self.dropped_bytes)} not kept on device)",
+            f"  predicted recompute: {self.recompute_flops / 1e9:.4f} GFLOP "
+            f"({100 * self.predicted_overhead:.2f}% of the step)",
+        ]
+        if self.predicted_peak is not None:
+            lines.append(f"  predicted peak: {fmt_bytes(self.predicted_peak)}")
+        if self.baseline is not None:
+            lines.append(f"  plain jit (compiled): {self.baseline}")
+        if self.compiled is not None:
+            lines.append(f"  jaxmem    (compiled): {self.compiled}")
+            if self.saved_fraction is not None and self.baseline is not None:
+                extra = (self.compiled.flops / self.baseline.flops - 1
+                         if self.baseline.flops else 0.0)
+                lines.append(f"  saved {100 * self.saved_fraction:.1f}% of the peak for "
+                             f"{100 * extra:+.2f}% FLOPs (XLA's count)")
+        if self.donated:
+            lines.append(f"  donated arguments: {self.donated}")
+        lines += [f"  note: {x}" for x in self.notes]
+        by_layer: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+        for c in self.choices:
+            row = by_layer[c.residual.layer or "<top>"]
+            row[0 if c.decision is Decision.SAVE else 1] += c.residual.nbytes
+        lines.append(f"  {'layer':<40} {'kept':>12} {'dropped':>12}")
+        for layer, (kept, dropped) in sorted(by_layer.items(), key=lambda t: -sum(t[1])):
+            lines.append(f"  {layer[:40]:<40} {fmt_bytes(kept):>12} {fmt_bytes(dropped):>12}")
+        return "\n".join(lines)
+
+    def explain(self) -> str:
+        """One line per residual: decision, size, reason."""
+        return "\n".join(
+            f"{str(c.decision):>9} {fmt_bytes(c.residual.nbytes):>11} {c.residual.name}: "
+            f"{c.reason}" for c in self.choices)
+
+
+def layer_heavy_flops(analysis: Analysis) -> dict[str, float]:
+    """Forward heavy FLOPs per layer path."""
+    out: dict[str, float] = defaultdict(float)
+    for n in analysis.program.nodes:
+        if n.kind == "heavy" and n.phase != "backward":
+            out[n.layer] += n.flops
+    return out
+
+
+def chain_flops(analysis: Analysis, residuals: Iterable[Residual]) -> float:
+    """FLOPs to recompute ``residuals``, each shared chain node counted once."""
+    nodes = {i for r in residuals for i in r.chain}
+    return float(sum(analysis.program.nodes[i].flops for i in nodes))
+
+
+def chain_anchors(analysis: Analysis, r: Residual) -> set[int]:
+    """Values a residual's recompute chain reads that are not themselves in the chain."""
+    prog = analysis.program
+    made = {o for i in r.chain for o in prog.nodes[i].outputs}
+    return {v for i in r.chain for v in prog.nodes[i].inputs if v not in made}
+
+
+def plan_auto(analysis: Analysis, *, max_recompute_fraction: float = 0.05,
+              min_bytes: int = 0) -> Plan:
+    """MEDL's rule: recompute utility-layer residuals, keep heavy ones (see module doc)."""
+    heavy = layer_heavy_flops(analysis)
+    total_heavy = sum(heavy.values())
+    n_heavy_layers = max(1, sum(1 for f in heavy.values() if f > 0))
+    prog = analysis.program
+    residual_ids = {r.value for r in analysis.residuals}
+
+    candidates: dict[int, Residual] = {}
+    reasons: dict[int, str] = {}
+    for r in analysis.residuals:
+        if not r.recomputable:
+            reasons[r.value] = (f"{r.kind} output: kept" if r.is_activation
+                                else f"{r.kind}: always available")
+            continue
+        if r.nbytes < min_bytes:
+            reasons[r.value] = f"smaller than min_bytes={min_bytes}"
+            continue
+        ref = heavy.get(r.layer) or total_heavy / n_heavy_layers
+        if ref and r.recompute_flops > max_recompute_fraction * ref:
+            reasons[r.value] = (f"recompute {r.recompute_flops:.3g} FLOPs > "
+                                f"{max_recompute_fraction:g} x layer heavy FLOPs {ref:.3g}")
+            continue
+        candidates[r.value] = r
+
+    # A chain keeps its anchors alive into the backward pass. Anchors that are residuals or
+    # inputs are alive anyway; others (a matmul output feeding a norm) cost memory.
+    changed = True
+    while changed:
+        changed = False
+        kept_anyway = (residual_ids - set(candidates)) | set(prog.inputs)
+        extra_owner: dict[int, list[int]] = defaultdict(list)
+        for vid, r in candidates.items():
+            for a in chain_anchors(analysis, r):
+                if a not in kept_anyway and prog.values[a].producer is not None:
+                    extra_owner[a].append(vid)
+        for vid, r in list(candidates.items()):
+            extra = sum(prog.values[a].nbytes / len(extra_owner[a])
+                        for a in chain_anchors(analysis, r) if vid in extra_owner.get(a, ()))
+            if extra > r.nbytes:
+                del candidates[vid]
+                reasons[vid] = (f"recomputing would keep {fmt_bytes(extra)} of anchors alive "
+                                f"to free {fmt_bytes(r.nbytes)}")
+                changed = True
+
+    choices = []
+    for r in analysis.residuals:
+        if r.value in candidates:
+            choices.append(Choice(r, Decision.RECOMPUTE,
+                                  f"{r.kind} output of {r.primitive}: recompute "
+                                  f"{r.recompute_flops:.3g} FLOPs from kept values"))
+        else:
+            choices.append(Choice(r, Decision.SAVE, reasons.get(r.value, "kept")))
+    return Plan(choices=tuple(choices), strategy="auto",
+                recompute_flops=chain_flops(analysis, candidates.values()),
+                baseline_flops=prog.flops)
+
+
+def plan_none(analysis: Analysis) -> Plan:
+    """Keep everything (plain ``jax.jit``): the baseline."""
+    return Plan(choices=tuple(Choice(r, Decision.SAVE, "strategy='none'")
+                              for r in analysis.residuals),
+                strategy="none", recompute_flops=0.0, baseline_flops=analysis.program.flops)
+
+
+def from_decisions(analysis: Analysis, decisions: dict[int, Decision], strategy: str,
+                   reason: str = "") -> Plan:
+    """A plan from explicit ``{value id: Decision}`` (others SAVE)."""
+    choices = tuple(Choice(r, decisions.get(r.value, Decision.SAVE), reason)
+                    for r in analysis.residuals)
+    rec = [c.residual for c in choices if c.decision is Decision.RECOMPUTE]
+    return Plan(choices=choices, strategy=strategy, recompute_flops=chain_flops(analysis, rec),
+                baseline_flops=analysis.program.flops)
+
+
