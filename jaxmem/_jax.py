@@ -247,3 +247,7 @@ def shard_buffers(x: Any) -> list[tuple[Any, int, int]]:
         nbytes = int(size()) if callable(size) else int(data.nbytes)
         out.append((s.device, int(data.unsafe_buffer_pointer()), nbytes))
     return out
+
+
+def device_space() -> Any:
+    return jax.memory.Space.Device
