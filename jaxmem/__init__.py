@@ -10,7 +10,7 @@ Public entry points (see README.md and docs/):
 
 from jaxmem import managed_memory, measure, primitives, program
 from jaxmem.analysis import Analysis, Residual, analyze
-from jaxmem.optimize import Optimized, optimize
+from jaxmem.optimized import Optimized, optimize
 from jaxmem.plan import Choice, Decision, Plan
 from jaxmem.program import Program, TraceError, trace
 

@@ -208,12 +208,28 @@ class Optimized:
             plan = planning.plan_auto(analysis,
                                       max_recompute_fraction=self.max_recompute_fraction)
         donated = self._donated(dyn_args, analysis)
-        plan = dataclasses.replace(plan, donated=donated)
-        flat_fn = rewrite(program, plan.recompute, plan.offload,
-                          frozenset(r.value for r in analysis.residuals))
         donate_flat = _flat_positions(dyn_args, kwargs, donated)
-        jitted = jax.jit(flat_fn, donate_argnums=donate_flat, **self.jit_kwargs)
-        return _Entry(analysis=analysis, plan=plan, jitted=jitted, donate_flat=donate_flat)
+        plan = dataclasses.replace(plan, donated=donated)
+        residuals = frozenset(r.value for r in analysis.residuals)
+
+        def jit_plan(p: Plan) -> Any:
+            fn = rewrite(program, p.recompute, p.offload, residuals)
+            return jax.jit(fn, donate_argnums=donate_flat, **self.jit_kwargs)
+
+        if self.budget is not None and program.has_backward and self.strategy != "none":
+            from jaxmem import budget as budgeting
+
+            flat = jax.tree_util.tree_leaves((dyn_args, kwargs))
+
+            def compile_plan(p: Plan) -> Figures:
+                return measure.figures(measure.compile(jit_plan(p).lower(*flat)))
+
+            plan = budgeting.plan_with_budget(
+                analysis, self.budget, auto=plan, compile_plan=compile_plan,
+                offload=self.offload)
+            plan = dataclasses.replace(plan, donated=donated)
+        return _Entry(analysis=analysis, plan=plan, jitted=jit_plan(plan),
+                      donate_flat=donate_flat)
 
     def _baseline(self, entry: _Entry, flat: list[Any]) -> Figures:
         """Plain ``jax.jit`` of the same program, compiled the same way (same donation)."""
