@@ -79,6 +79,7 @@ class Optimized:
 
     def __init__(self, fn: Callable[..., Any], *, budget: Any = None, strategy: str = "auto",
                  offload: bool | str = False, static_argnums: int | Sequence[int] | None = None,
+                 static_argnames: str | Sequence[str] | None = None,
                  donate_argnums: int | Sequence[int] | str | None = "auto",
                  max_recompute_fraction: float = 0.05, **jit_kwargs: Any) -> None:
         if strategy not in STRATEGIES:
@@ -94,6 +95,8 @@ class Optimized:
         self.strategy = strategy
         self.offload = offload
         self.static_argnums = static_argnums
+        self.static_argnames = ((static_argnames,) if isinstance(static_argnames, str)
+                                else tuple(static_argnames or ()))
         self.donate_argnums = donate_argnums
         self.max_recompute_fraction = max_recompute_fraction
         self.jit_kwargs = jit_kwargs
@@ -145,25 +148,28 @@ class Optimized:
     def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[_Entry, list, Any]:
         static, static_vals = self._split(args)
         dyn_args = tuple(a for i, a in enumerate(args) if i not in static)
+        static_kw = tuple(sorted((k, v) for k, v in kwargs.items() if k in self.static_argnames))
+        kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
         check_leaves(dyn_args, kwargs)
         flat, in_tree = jax.tree_util.tree_flatten((dyn_args, kwargs))
         try:
-            key = (in_tree, tuple(_leaf_key(x) for x in flat), static, static_vals)
+            key = (in_tree, tuple(_leaf_key(x) for x in flat), static, static_vals, static_kw)
             hash(key)
         except TypeError as e:
             raise TypeError(f"static arguments must be hashable: {e}") from e
         entry = self._cache.get(key)
         if entry is None:
-            entry = self._build(args, static, dyn_args, kwargs)
+            entry = self._build(args, static, dyn_args, kwargs, dict(static_kw))
             self._cache[key] = entry
         out_tree = entry.analysis.program.out_tree
         return entry, flat, out_tree
 
-    def _bound(self, args: tuple[Any, ...], static: tuple[int, ...]) -> Callable[..., Any]:
+    def _bound(self, args: tuple[Any, ...], static: tuple[int, ...],
+               static_kw: dict[str, Any]) -> Callable[..., Any]:
         def call(*dyn: Any, **kw: Any) -> Any:
             it = iter(dyn)
             full = [args[i] if i in static else next(it) for i in range(len(args))]
-            return self.fn(*full, **kw)
+            return self.fn(*full, **kw, **static_kw)
         return call
 
     def _donated(self, dyn_args: tuple[Any, ...], analysis: Analysis) -> tuple[int, ...]:
@@ -191,8 +197,8 @@ class Optimized:
         return _normalise_argnums(self.donate_argnums, len(dyn_args))
 
     def _build(self, args: tuple[Any, ...], static: tuple[int, ...], dyn_args: tuple[Any, ...],
-               kwargs: dict[str, Any]) -> _Entry:
-        program = trace(self._bound(args, static), *dyn_args, **kwargs)
+               kwargs: dict[str, Any], static_kw: dict[str, Any]) -> _Entry:
+        program = trace(self._bound(args, static, static_kw), *dyn_args, **kwargs)
         analysis = from_program(program)
         if not program.has_backward:
             if not self._warned_no_backward:
@@ -253,6 +259,7 @@ def _flat_positions(dyn_args: tuple[Any, ...], kwargs: dict[str, Any],
 def optimize(fn: Callable[..., Any] | None = None, *, budget: Any = None,
              strategy: str = "auto", offload: bool | str = False,
              static_argnums: int | Sequence[int] | None = None,
+             static_argnames: str | Sequence[str] | None = None,
              donate_argnums: int | Sequence[int] | str | None = "auto",
              max_recompute_fraction: float = 0.05, **jit_kwargs: Any) -> Any:
     """Jit a train step so that it needs less accelerator memory, with the same results.
@@ -267,7 +274,7 @@ def optimize(fn: Callable[..., Any] | None = None, *, budget: Any = None,
       budget: peak-memory budget (bytes, ``"6GiB"``, or a fraction of the plain-jit peak).
       strategy: ``"auto"`` (MEDL's rule, cost-aware) or ``"none"`` (plain jit: a baseline).
       offload: park residuals in pinned host memory (``True``/``"auto"``), see docs.
-      static_argnums: positional arguments that are Python values, as in ``jax.jit``.
+      static_argnums, static_argnames: arguments that are Python values, as in ``jax.jit``.
       donate_argnums: ``"auto"`` donates each argument whose arrays all reappear as outputs
         of the same shape and dtype (the train state): XLA then updates it in place. Pass
         ``()`` to donate nothing (keep using the old arrays) or explicit indices.
@@ -288,8 +295,8 @@ def optimize(fn: Callable[..., Any] | None = None, *, budget: Any = None,
       >>> w, loss = fast(jnp.ones((8, 8)), jnp.ones((4, 8)))
     """
     kw = dict(budget=budget, strategy=strategy, offload=offload, static_argnums=static_argnums,
-              donate_argnums=donate_argnums, max_recompute_fraction=max_recompute_fraction,
-              **jit_kwargs)
+              static_argnames=static_argnames, donate_argnums=donate_argnums,
+              max_recompute_fraction=max_recompute_fraction, **jit_kwargs)
     if fn is None:
         return lambda f: Optimized(f, **kw)
     if not callable(fn):
