@@ -1,0 +1,762 @@
+"""Bottleneck layers as chunked, double-buffered scans.
+
+A layer whose working set sets the peak (one very wide dense layer, the LM head and its
+softmax over a large vocabulary) does not need all of that working set at once when it is
+independent along some axis (batch, tokens, or its own output features). :func:`chunked`
+runs such a layer as a ``lax.scan`` over chunks of that axis with a checkpointed body, so the
+forward and the backward pass each hold about two chunks of the intermediate instead of all
+of it (MEDL's "fine-grained double buffering" for bottleneck layers). :func:`chunked_cross_entropy`
+is the reduction form for the LM head: the logits are never materialised, in the forward or
+the backward pass (Cut Cross-Entropy, Liger's fused linear cross-entropy, MaxText's
+``num_vocab_tiling``).
+
+What overlaps is decided by XLA; see ``docs/chunking.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = ["chunked", "chunked_cross_entropy"]
+
+
+class _Broadcast:
+    """Marker for a leaf that is passed whole to every chunk (``in_axes`` None)."""
+
+    def __repr__(self) -> str:  # pragma: no cover - debugging aid
+        return "<broadcast>"
+
+
+_BCAST = _Broadcast()
+_DEFAULT = object()
+
+
+# --- planning: which leaves are cut, and how -------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """How the chunked axis of length ``n`` is cut: ``full`` pieces of ``size``, one tail."""
+
+    n: int
+    size: int
+    full: int
+    tail: int
+
+
+def _arg_names(fn: Callable[..., Any], nargs: int) -> list[str]:
+    names = [f"args[{i}]" for i in range(nargs)]
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return names
+    for i in range(nargs):
+        if i < len(params) and params[i].kind in (
+            inspect.Parameter.POSITIONAL_ONLY,
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        ):
+            names[i] = params[i].name
+    return names
+
+
+def _leaf_axes(args: tuple[Any, ...], in_axes: Any, names: list[str]) -> list[Any]:
+    """One entry per leaf of ``args``: an axis (int) or ``_BCAST``. ``in_axes`` is a prefix."""
+    if in_axes is None or isinstance(in_axes, int):
+        per_arg = [in_axes] * len(args)
+    elif isinstance(in_axes, tuple | list):
+        if len(in_axes) != len(args):
+            raise ValueError(
+                f"chunked: in_axes has {len(in_axes)} entries but the function was called "
+                f"with {len(args)} positional arguments; give one entry per positional "
+                "argument (an int, None to broadcast, or a pytree prefix of the argument)."
+            )
+        per_arg = list(in_axes)
+    else:
+        raise TypeError(
+            f"chunked: in_axes must be an int, None, or a tuple/list with one entry per "
+            f"positional argument; got {type(in_axes).__name__}."
+        )
+    out: list[Any] = []
+    for arg, ax, name in zip(args, per_arg, names, strict=True):
+        try:
+            full = jax.tree_util.tree_map(
+                lambda a, sub: jax.tree_util.tree_map(
+                    lambda _: _BCAST if a is None else a, sub
+                ),
+                ax,
+                arg,
+                is_leaf=lambda x: x is None,
+            )
+        except ValueError as e:
+            raise ValueError(
+                f"chunked: in_axes entry {ax!r} for argument {name!r} is not a pytree prefix "
+                f"of that argument ({jax.tree_util.tree_structure(arg)}): {e}"
+            ) from None
+        out.extend(jax.tree_util.tree_leaves(full))
+    return out
+
+
+def _plan(
+    names: list[str], leaves: list[Any], axes: list[Any], chunks: int
+) -> tuple[_Plan, list[Any]]:
+    """Validate the chunked leaves; return the plan and the normalised axes."""
+    if isinstance(chunks, bool) or not isinstance(chunks, int):
+        raise TypeError(f"chunked: chunks must be an int >= 1; got {chunks!r}.")
+    if chunks < 1:
+        raise ValueError(f"chunked: chunks={chunks} is < 1; use chunks >= 1 (1 = no split).")
+    n = None
+    first = None
+    norm: list[Any] = []
+    for name, leaf, ax in zip(names, leaves, axes, strict=True):
+        if ax is _BCAST:
+            norm.append(_BCAST)
+            continue
+        shape = getattr(leaf, "shape", None)
+        if shape is None:
+            raise ValueError(
+                f"chunked: argument {name} is a {type(leaf).__name__}, not an array, but is "
+                f"chunked along axis {ax}; pass None for it in in_axes to broadcast it."
+            )
+        ndim = len(shape)
+        if not -ndim <= ax < ndim:
+            raise ValueError(
+                f"chunked: argument {name} has shape {tuple(shape)} and no axis {ax} to chunk; "
+                f"use an axis in [{-ndim}, {ndim - 1}] for it in in_axes (or None to "
+                "broadcast it)."
+            )
+        ax = ax % ndim
+        if n is None:
+            n, first = shape[ax], (name, tuple(shape), ax)
+        elif shape[ax] != n:
+            raise ValueError(
+                f"chunked: chunked axes differ in length: argument {first[0]} has shape "
+                f"{first[1]} (axis {first[2]} has {n}) but argument {name} has shape "
+                f"{tuple(shape)} (axis {ax} has {shape[ax]}); every chunked argument must "
+                "have the same length along its chunked axis (use in_axes None for "
+                "arguments that are not split, e.g. weights)."
+            )
+        norm.append(ax)
+    if n is None:
+        raise ValueError(
+            "chunked: no argument is chunked (every in_axes entry is None); chunk at least "
+            "one array argument."
+        )
+    if chunks > n:
+        raise ValueError(
+            f"chunked: chunks={chunks} is more than the {n} elements along axis {first[2]} of "
+            f"argument {first[0]} (shape {first[1]}); use chunks <= {n}."
+        )
+    size = -(-n // chunks)  # ceil: no piece is bigger than n / chunks rounded up
+    full = n // size
+    return _Plan(n=n, size=size, full=full, tail=n - full * size), norm
+
+
+def _named_leaves(args: tuple[Any, ...], names: list[str]) -> list[str]:
+    out = []
+    for arg, name in zip(args, names, strict=True):
+        for path, _ in jax.tree_util.tree_flatten_with_path(arg)[0]:
+            out.append(name + jax.tree_util.keystr(path))
+    return out
+
+
+def _stack(x: jax.Array, ax: int, plan: _Plan) -> jax.Array:
+    """``x`` without its tail, as ``[full, ..., size, ...]`` (the chunk index leading)."""
+    if plan.tail:
+        x = lax.slice_in_dim(x, 0, plan.full * plan.size, axis=ax)
+    x = x.reshape(x.shape[:ax] + (plan.full, plan.size) + x.shape[ax + 1 :])
+    return jnp.moveaxis(x, ax, 0)
+
+
+def _unstack(y: jax.Array, ax: int, plan: _Plan) -> jax.Array:
+    """Inverse of :func:`_stack` for an output: ``[full, .., size, ..]`` -> ``[.., n, ..]``."""
+    y = jnp.moveaxis(y, 0, ax)
+    return y.reshape(y.shape[:ax] + (plan.full * plan.size,) + y.shape[ax + 2 :])
+
+
+def _out_axes(out_shape: Any, out_axes: Any) -> list[Any]:
+    """One entry per output leaf: an axis or ``_BCAST`` (= summed over chunks)."""
+    try:
+        full = jax.tree_util.tree_map(
+            lambda a, sub: jax.tree_util.tree_map(lambda _: _BCAST if a is None else a, sub),
+            out_axes,
+            out_shape,
+            is_leaf=lambda x: x is None,
+        )
+    except ValueError as e:
+        raise ValueError(
+            f"chunked: out_axes {out_axes!r} is not a pytree prefix of the function's output "
+            f"({jax.tree_util.tree_structure(out_shape)}): {e}"
+        ) from None
+    return jax.tree_util.tree_leaves(full)
+
+
+# --- the loop ----------------------------------------------------------------------------------
+
+
+def _stage(x: jax.Array) -> jax.Array:
+    """Bring a chunk to device memory if it lives on the host (no-op otherwise)."""
+    space = getattr(jax.typeof(x), "memory_space", None)
+    if space == jax.memory.Space.Host:
+        return jax.device_put(x, jax.memory.Space.Device)
+    return x
+
+
+def _loop(
+    step: Callable[[Any, Any], tuple[Any, Any]],
+    carry: Any,
+    xs: Any,
+    length: int,
+    prefetch: bool,
+    unroll: int | bool,
+) -> tuple[Any, Any]:
+    """``lax.scan(step, carry, xs)``; with ``prefetch`` chunk i+1 is staged while i computes.
+
+    The prefetching form is a software pipeline: the carry holds the already staged input of
+    the current chunk; the body computes on it and, independently, slices (and for a host
+    resident input, copies to the device) the input of the next chunk. The two are data
+    independent inside one loop iteration, which is what lets XLA's scheduler overlap them;
+    whether it does is XLA's decision.
+    """
+    if not prefetch or length < 2:
+        return lax.scan(step, carry, xs, length=length, unroll=unroll)
+    stage = lambda t: jax.tree_util.tree_map(_stage, t)
+    first = stage(jax.tree_util.tree_map(lambda a: a[0], xs))
+    rest = jax.tree_util.tree_map(lambda a: a[1:], xs)
+
+    def piped(c, x_next):
+        inner, cur = c
+        inner, y = step(inner, cur)
+        return (inner, stage(x_next)), y
+
+    (carry, last), ys = lax.scan(piped, (carry, first), rest, length=length - 1, unroll=unroll)
+    carry, y_last = step(carry, last)
+    ys = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a, b[None]]), ys, y_last)
+    return carry, ys
+
+
+def _run(
+    body: Callable[..., tuple[Any, Any]],
+    carry: Any,
+    leaves: list[Any],
+    axes: list[Any],
+    plan: _Plan,
+    *,
+    out_axes: Any,
+    out_names: str,
+    remat: bool,
+    policy: Callable[..., Any] | None,
+    prevent_cse: bool,
+    prefetch: bool,
+    unroll: int | bool,
+) -> tuple[Any, Any]:
+    """Run ``body(carry, leaves) -> (carry, out)`` chunk by chunk; concatenate or sum ``out``.
+
+    The engine behind :func:`chunked` and the flax wrappers. ``carry`` is threaded through the
+    chunks in order (e.g. the RNG and batch-statistics state of an nnx module).
+    """
+    cut = [i for i, a in enumerate(axes) if a is not _BCAST]
+
+    def with_chunk(chunk: list[Any], c: Any) -> tuple[Any, Any]:
+        full_leaves = list(leaves)
+        for i, x in zip(cut, chunk, strict=True):
+            full_leaves[i] = x
+        return body(c, full_leaves)
+
+    def call(c: Any, chunk: list[Any]) -> tuple[Any, Any]:
+        return with_chunk(chunk, c)
+
+    if remat:
+        call = jax.checkpoint(call, policy=policy, prevent_cse=prevent_cse)
+
+    chunk_shapes = [
+        jax.ShapeDtypeStruct(
+            leaves[i].shape[: axes[i]] + (plan.size,) + leaves[i].shape[axes[i] + 1 :],
+            leaves[i].dtype,
+        )
+        for i in cut
+    ]
+    carry_shape, out_shape = jax.eval_shape(call, carry, chunk_shapes)
+    del carry_shape
+    oaxes = _out_axes(out_shape, out_axes)
+    out_leaves_shape, out_tree = jax.tree_util.tree_flatten(out_shape)
+    for j, (a, s) in enumerate(zip(oaxes, out_leaves_shape, strict=True)):
+        if a is not _BCAST and not -len(s.shape) <= a < len(s.shape):
+            raise ValueError(
+                f"chunked: output leaf {j} of {out_names} has shape {s.shape} and no axis {a} "
+                f"to concatenate the chunks along; set out_axes to an axis in "
+                f"[{-len(s.shape)}, {len(s.shape) - 1}] for it, or None (reduce='sum') to add "
+                "the chunks' values."
+            )
+        if a is not _BCAST and s.shape[a % len(s.shape)] != plan.size:
+            raise ValueError(
+                f"chunked: output leaf {j} of {out_names} has shape {s.shape} for a chunk of "
+                f"{plan.size}, so its axis {a} is not the chunked one; set out_axes to the "
+                "output axis that follows the input's chunks, or None to add the chunks' values."
+            )
+    oaxes = [
+        a if a is _BCAST else a % len(s.shape)
+        for a, s in zip(oaxes, out_leaves_shape, strict=True)
+    ]
+    summed = [j for j, a in enumerate(oaxes) if a is _BCAST]
+
+    def step(state: tuple[Any, list[Any]], chunk: list[Any]) -> tuple[Any, list[Any]]:
+        c, acc = state
+        c, out = call(c, chunk)
+        outs = jax.tree_util.tree_leaves(out)
+        acc = [a + outs[j] for a, j in zip(acc, summed, strict=True)]
+        return (c, acc), [o for j, o in enumerate(outs) if j not in summed]
+
+    acc0 = [jnp.zeros(out_leaves_shape[j].shape, out_leaves_shape[j].dtype) for j in summed]
+    xs = [_stack(leaves[i], axes[i], plan) for i in cut]
+    (carry, acc), ys = _loop(step, (carry, acc0), xs, plan.full, prefetch, unroll)
+    cat_axes = [a for a in oaxes if a is not _BCAST]
+    ys = [_unstack(y, a, plan) for y, a in zip(ys, cat_axes, strict=True)]
+    if plan.tail:
+        tail = [lax.slice_in_dim(leaves[i], plan.n - plan.tail, plan.n, axis=axes[i]) for i in cut]
+        carry, out = call(carry, tail)
+        outs = jax.tree_util.tree_leaves(out)
+        acc = [a + outs[j] for a, j in zip(acc, summed, strict=True)]
+        rest = [o for j, o in enumerate(outs) if j not in summed]
+        ys = [
+            jnp.concatenate([y, t], axis=a) for y, t, a in zip(ys, rest, cat_axes, strict=True)
+        ]
+    it_acc, it_ys = iter(acc), iter(ys)
+    out_leaves = [next(it_acc) if a is _BCAST else next(it_ys) for a in oaxes]
+    return carry, jax.tree_util.tree_unflatten(out_tree, out_leaves)
+
+
+# --- public API --------------------------------------------------------------------------------
+
+
+def chunked(
+    fn: Callable[..., Any] | None = None,
+    *,
+    chunks: int,
+    axis: int = 0,
+    in_axes: Any = _DEFAULT,
+    out_axes: Any = _DEFAULT,
+    reduce: Literal["sum"] | None = None,
+    remat: bool = True,
+    policy: Callable[..., Any] | None = None,
+    prevent_cse: bool = True,
+    prefetch: bool = False,
+    unroll: int | bool = 1,
+) -> Callable[..., Any]:
+    """Run ``fn`` chunk by chunk along an axis it is independent along, as a checkpointed scan.
+
+    ``chunked(fn, chunks=8)(x, w)`` computes ``fn(x, w)`` by cutting ``x`` into 8 pieces along
+    ``axis``, calling ``fn`` on each piece (with ``w`` whole, if ``in_axes=(0, None)``) inside
+    a ``lax.scan`` whose body is a ``jax.checkpoint``, and concatenating the outputs along the
+    same axis. Under ``jax.grad`` the forward pass then keeps only the inputs of each chunk,
+    and the backward pass recomputes one chunk at a time, so both hold about two chunks of
+    ``fn``'s intermediates instead of all of them (MEDL's double-buffered bottleneck layers).
+    The price is one extra forward of ``fn`` in the backward pass (as with ``jax.checkpoint``).
+
+    ``fn`` must be independent along the chunked axis: row ``i`` of the output may only depend
+    on row ``i`` of the chunked inputs (batch, tokens), or - with ``reduce="sum"`` - the output
+    must be a sum of per-chunk terms (the hidden features of an MLP ``gelu(x @ w1) @ w2``
+    chunked along ``w1``'s columns and ``w2``'s rows; a loss summed over tokens).
+
+    Args:
+      fn: the layer. Usable as a decorator: ``@chunked(chunks=8)``.
+      chunks: how many pieces to cut the axis into (>= 1, <= the axis length). When it does not
+        divide the length ``n``, pieces have ``ceil(n / chunks)`` elements and a last, shorter
+        piece is computed by one more (checkpointed) call after the scan.
+      axis: the default chunked axis of every positional argument and of every output.
+      in_axes: like ``jax.vmap``'s: an int, ``None`` (broadcast: passed whole to every chunk,
+        e.g. weights), or a tuple with one entry per positional argument, each an int, ``None``
+        or a pytree prefix of that argument. Default: ``axis`` for every argument. Keyword
+        arguments are always broadcast (and may be non-array values).
+      out_axes: the axis of each output to concatenate the chunks along (an int or a pytree
+        prefix of the output); ``None`` for an output means its chunk values are added up.
+        Default: ``axis``, or ``None`` everywhere if ``reduce="sum"``.
+      reduce: ``"sum"`` to add the chunks' outputs instead of concatenating them (same as
+        ``out_axes=None``).
+      remat: checkpoint the body (default). ``False`` keeps the scan but lets the forward save
+        every chunk's residuals, which saves much less memory.
+      policy: a ``jax.checkpoint`` policy for the body; the default ``None`` saves nothing but
+        the chunk's inputs.
+      prevent_cse: passed to ``jax.checkpoint``.
+      prefetch: software-pipeline the scan: chunk ``i + 1``'s input is sliced (and, if it
+        lives in host memory, ``device_put`` to the device) in the same loop iteration that
+        computes chunk ``i``, so the two can overlap. Costs one more chunk of input in flight.
+        The host-to-device overlap can only happen on GPU/TPU and is not verified on CPU.
+      unroll: passed to ``lax.scan``.
+
+    Returns:
+      A function with ``fn``'s signature and outputs.
+
+    Raises:
+      ValueError: an axis missing from an argument, chunks < 1 or > the axis length, chunked
+        arguments of different lengths, ``in_axes`` / ``out_axes`` that do not fit.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxmem
+      >>> def mlp(x, w1, w2):
+      ...     return jax.nn.gelu(x @ w1) @ w2
+      >>> x, w1, w2 = jnp.ones((64, 8)), jnp.ones((8, 256)) / 8, jnp.ones((256, 8)) / 256
+      >>> rows = jaxmem.chunked(mlp, chunks=4, in_axes=(0, None, None))   # over the batch
+      >>> feats = jaxmem.chunked(mlp, chunks=4, in_axes=(None, 1, 0), reduce="sum")
+      >>> bool(jnp.allclose(rows(x, w1, w2), mlp(x, w1, w2)))
+      True
+      >>> bool(jnp.allclose(feats(x, w1, w2), mlp(x, w1, w2)))
+      True
+      >>> g = jax.grad(lambda w1: rows(x, w1, w2).sum())(w1)   # the backward is chunked too
+    """
+    if fn is None:
+        return functools.partial(
+            chunked,
+            chunks=chunks,
+            axis=axis,
+            in_axes=in_axes,
+            out_axes=out_axes,
+            reduce=reduce,
+            remat=remat,
+            policy=policy,
+            prevent_cse=prevent_cse,
+            prefetch=prefetch,
+            unroll=unroll,
+        )
+    if reduce not in (None, "sum"):
+        raise ValueError(f"chunked: reduce must be None or 'sum'; got {reduce!r}.")
+    if reduce == "sum":
+        if out_axes is not _DEFAULT and out_axes is not None:
+            raise ValueError(
+                f"chunked: reduce='sum' adds every output up; do not also give out_axes "
+                f"({out_axes!r})."
+            )
+        out_axes = None
+    elif out_axes is _DEFAULT:
+        out_axes = axis
+    if in_axes is _DEFAULT:
+        in_axes = axis
+    fn_name = getattr(fn, "__name__", type(fn).__name__)
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        names = _arg_names(fn, len(args))
+        leaves, treedef = jax.tree_util.tree_flatten(args)
+        axes = _leaf_axes(args, in_axes, names)
+        plan, axes = _plan(_named_leaves(args, names), leaves, axes, chunks)
+
+        def body(carry: None, chunk_leaves: list[Any]) -> tuple[None, Any]:
+            return carry, fn(*jax.tree_util.tree_unflatten(treedef, chunk_leaves), **kwargs)
+
+        _, out = _run(
+            body,
+            None,
+            leaves,
+            axes,
+            plan,
+            out_axes=out_axes,
+            out_names=f"{fn_name}",
+            remat=remat,
+            policy=policy,
+            prevent_cse=prevent_cse,
+            prefetch=prefetch,
+            unroll=unroll,
+        )
+        return out
+
+    return wrapper
+
+
+# --- the LM head + softmax cross-entropy, reduced chunk by chunk -------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _CE:
+    """Static layout of a chunked cross-entropy: ``t`` token chunks of ``ts``, ``v`` of ``vs``."""
+
+    t: int
+    ts: int
+    v: int
+    vs: int
+    vocab: int  # the true vocabulary size; columns past it are padding
+    unroll: int | bool = 1
+
+
+def _logits(cfg: _CE, x: jax.Array, w: jax.Array, b: jax.Array, c: Any) -> jax.Array:
+    """Logits of vocabulary chunk ``c`` for tokens ``x``, in float32; padding columns -inf."""
+    wc = lax.dynamic_slice_in_dim(w, c * cfg.vs, cfg.vs, axis=1)
+    bc = lax.dynamic_slice_in_dim(b, c * cfg.vs, cfg.vs)
+    logits = jnp.dot(x, wc, preferred_element_type=jnp.float32) + bc.astype(jnp.float32)
+    if cfg.v * cfg.vs != cfg.vocab:
+        col = c * cfg.vs + jnp.arange(cfg.vs)
+        logits = jnp.where(col[None, :] < cfg.vocab, logits, -jnp.inf)
+    return logits
+
+
+def _label_logit(cfg: _CE, logits: jax.Array, lab: jax.Array, c: Any) -> jax.Array:
+    local = lab - c * cfg.vs
+    inside = (local >= 0) & (local < cfg.vs)
+    picked = jnp.take_along_axis(logits, jnp.clip(local, 0, cfg.vs - 1)[:, None], axis=1)[:, 0]
+    return jnp.where(inside, picked, 0.0)
+
+
+def _online_lse(cfg: _CE, x: jax.Array, w: jax.Array, b: jax.Array, lab: jax.Array):
+    """Per-token log-sum-exp and label logit, one vocabulary chunk at a time."""
+    if cfg.v == 1:
+        logits = _logits(cfg, x, w, b, 0)
+        return jax.nn.logsumexp(logits, axis=1), _label_logit(cfg, logits, lab, 0), logits
+
+    def body(state, c):
+        m, s, ll = state
+        logits = _logits(cfg, x, w, b, c)
+        m_new = jnp.maximum(m, logits.max(axis=1))
+        s = s * jnp.exp(m - m_new) + jnp.exp(logits - m_new[:, None]).sum(axis=1)
+        return (m_new, s, ll + _label_logit(cfg, logits, lab, c)), None
+
+    n = x.shape[0]
+    init = (jnp.full((n,), -jnp.inf, jnp.float32), jnp.zeros((n,), jnp.float32),
+            jnp.zeros((n,), jnp.float32))
+    (m, s, ll), _ = lax.scan(body, init, jnp.arange(cfg.v), unroll=cfg.unroll)
+    return m + jnp.log(s), ll, None
+
+
+def _chunk_grads(cfg, x, w, b, lab, g, lse, logits, dw, db):
+    """Add a token chunk's gradient to ``dw``/``db``; return its ``dx``. ``g``: cotangents."""
+
+    def one(c, logits, dw, db):
+        onehot = (jnp.arange(cfg.vs)[None, :] + c * cfg.vs) == lab[:, None]
+        gl = (jnp.exp(logits - lse[:, None]) - onehot) * g[:, None]
+        wc = lax.dynamic_slice_in_dim(w, c * cfg.vs, cfg.vs, axis=1)
+        dx = jnp.dot(gl, wc.T.astype(jnp.float32), preferred_element_type=jnp.float32)
+        dwc = jnp.dot(x.T.astype(jnp.float32), gl, preferred_element_type=jnp.float32)
+        dw = lax.dynamic_update_slice_in_dim(
+            dw, lax.dynamic_slice_in_dim(dw, c * cfg.vs, cfg.vs, axis=1) + dwc, c * cfg.vs, 1
+        )
+        db = lax.dynamic_update_slice_in_dim(
+            db, lax.dynamic_slice_in_dim(db, c * cfg.vs, cfg.vs) + gl.sum(0), c * cfg.vs, 0
+        )
+        return dx, dw, db
+
+    if logits is not None:  # one vocabulary chunk, already computed: no recompute
+        return one(0, logits, dw, db)
+    if cfg.v == 1:
+        return one(0, _logits(cfg, x, w, b, 0), dw, db)
+
+    def body(state, c):
+        dx, dw, db = state
+        dxc, dw, db = one(c, _logits(cfg, x, w, b, c), dw, db)
+        return (dx + dxc, dw, db), None
+
+    dx0 = jnp.zeros((x.shape[0], x.shape[1]), jnp.float32)
+    (dx, dw, db), _ = lax.scan(body, (dx0, dw, db), jnp.arange(cfg.v), unroll=cfg.unroll)
+    return dx, dw, db
+
+
+def _by_tokens(cfg: _CE, a: jax.Array) -> jax.Array:
+    return a.reshape((cfg.t, cfg.ts) + a.shape[1:])
+
+
+def _losses_only(cfg, x, w, b, lab, valid):
+    def body(_, xs):
+        xt, lt, vt = xs
+        lse, ll, _ = _online_lse(cfg, xt, w, b, lt)
+        return None, (lse, jnp.where(vt, lse - ll, 0.0))
+
+    xs = (_by_tokens(cfg, x), _by_tokens(cfg, lab), _by_tokens(cfg, valid))
+    _, (lse, loss) = lax.scan(body, None, xs, unroll=cfg.unroll)
+    return lse.reshape(-1), loss.reshape(-1)
+
+
+def _sweep(cfg, x, w, b, lab, g, lse=None):
+    """Per-token losses (if ``lse`` is None) and gradients for per-token cotangents ``g``."""
+
+    def body(state, xs):
+        dw, db = state
+        xt, lt, gt, lse_t = xs
+        logits = None
+        loss = None
+        if lse_t is None:
+            lse_t, ll, logits = _online_lse(cfg, xt, w, b, lt)
+            loss = lse_t - ll
+        dx, dw, db = _chunk_grads(cfg, xt, w, b, lt, gt, lse_t, logits, dw, db)
+        return (dw, db), (loss, dx)
+
+    xs = (_by_tokens(cfg, x), _by_tokens(cfg, lab), _by_tokens(cfg, g),
+          None if lse is None else _by_tokens(cfg, lse))
+    dw0 = jnp.zeros(w.shape, jnp.float32)
+    db0 = jnp.zeros(b.shape, jnp.float32)
+    (dw, db), (loss, dx) = lax.scan(body, (dw0, db0), xs, unroll=cfg.unroll)
+    loss = None if loss is None else loss.reshape(-1)
+    return loss, dx.reshape(x.shape), dw, db
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ce_tokens(cfg, x, w, b, lab, valid):
+    """Per-token losses (0 where not ``valid``); backward recomputes logits chunk by chunk."""
+    return _losses_only(cfg, x, w, b, lab, valid)[1]
+
+
+def _ce_tokens_fwd(cfg, x, w, b, lab, valid):
+    lse, loss = _losses_only(cfg, x, w, b, lab, valid)
+    return loss, (x, w, b, lab, valid, lse)
+
+
+def _ce_tokens_bwd(cfg, res, g):
+    x, w, b, lab, valid, lse = res
+    g = jnp.where(valid, g, 0.0).astype(jnp.float32)
+    _, dx, dw, db = _sweep(cfg, x, w, b, lab, g, lse)
+    return dx.astype(x.dtype), dw.astype(w.dtype), db.astype(b.dtype), None, None
+
+
+_ce_tokens.defvjp(_ce_tokens_fwd, _ce_tokens_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ce_total(cfg, x, w, b, lab, scale):
+    """``sum(scale * loss)``; the gradient is computed in the forward sweep (Liger-style)."""
+    valid = scale != 0
+    return jnp.sum(_losses_only(cfg, x, w, b, lab, valid)[1] * scale)
+
+
+def _ce_total_fwd(cfg, x, w, b, lab, scale):
+    loss, dx, dw, db = _sweep(cfg, x, w, b, lab, scale.astype(jnp.float32))
+    total = jnp.sum(jnp.where(scale != 0, loss, 0.0) * scale)
+    return total, (dx.astype(x.dtype), dw.astype(w.dtype), db.astype(b.dtype))
+
+
+def _ce_total_bwd(cfg, res, g):
+    dx, dw, db = res
+    return (g * dx).astype(dx.dtype), (g * dw).astype(dw.dtype), (g * db).astype(db.dtype), \
+        None, None
+
+
+_ce_total.defvjp(_ce_total_fwd, _ce_total_bwd)
+
+
+def chunked_cross_entropy(
+    hidden: jax.Array,
+    weight: jax.Array,
+    labels: jax.Array,
+    *,
+    token_chunks: int = 8,
+    vocab_chunks: int = 1,
+    bias: jax.Array | None = None,
+    reduction: Literal["mean", "sum", "none"] = "mean",
+    ignore_index: int | None = None,
+    unroll: int | bool = 1,
+) -> jax.Array:
+    """Softmax cross-entropy of ``hidden @ weight (+ bias)`` against integer ``labels``, chunked.
+
+    The same value as
+    ``optax.softmax_cross_entropy_with_integer_labels(hidden @ weight + bias, labels)``
+    (then averaged or summed), but the ``[tokens, vocab]`` logits are never materialised, in
+    the forward or the backward pass: tokens are processed ``token_chunks`` at a time, and for
+    each token chunk the vocabulary ``vocab_chunks`` at a time with an online log-sum-exp.
+    Peak memory for the loss falls from a few copies of the logits to a few copies of one
+    ``[tokens / token_chunks, vocab / vocab_chunks]`` block (Cut Cross-Entropy, Wijmans et al.
+    2025; Liger's fused linear cross-entropy; MaxText's ``num_vocab_tiling``).
+
+    Cost. For ``reduction`` ``"mean"``/``"sum"`` the gradient is computed during the forward
+    sweep (as Liger does) and only scaled in the backward pass: with ``vocab_chunks=1`` that is
+    the same three matmuls as the unchunked loss. With ``vocab_chunks > 1`` the logits of each
+    block are computed twice (once for the log-sum-exp, once for the gradient): one extra
+    matmul (+33%). ``reduction="none"`` recomputes the logits in the backward pass (+33%).
+    A chunk count that does not divide the tokens (vocabulary) pads them (with masking), at
+    the cost of a padded copy of ``hidden`` (``weight``).
+
+    The gradient is a ``jax.custom_vjp``: reverse mode (``jax.grad``, ``jax.vjp``) only.
+
+    Args:
+      hidden: ``[..., d]`` activations entering the LM head.
+      weight: ``[d, vocab]`` head weight (a flax ``Dense`` kernel; for tied embeddings pass
+        ``embedding.T``).
+      labels: ``[...]`` integer targets in ``[0, vocab)`` (or ``ignore_index``).
+      token_chunks: pieces to cut the tokens into (``1 <= token_chunks <= tokens``).
+      vocab_chunks: pieces to cut the vocabulary into, per token chunk.
+      bias: optional ``[vocab]`` bias.
+      reduction: ``"mean"`` over the tokens that are not ignored, ``"sum"``, or ``"none"``
+        for a ``labels``-shaped array of per-token losses (0 for ignored tokens).
+      ignore_index: a label value whose tokens contribute nothing (e.g. padding, -100).
+      unroll: passed to the ``lax.scan``s over token and vocabulary chunks (``True`` unrolls
+        them, e.g. to read whole-program FLOPs from ``cost_analysis()``).
+
+    Returns:
+      A float32 scalar, or per-token losses of ``labels``'s shape for ``reduction="none"``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jaxmem
+      >>> h = jax.random.normal(jax.random.key(0), (2, 16, 8))
+      >>> w = jax.random.normal(jax.random.key(1), (8, 100))
+      >>> y = jax.random.randint(jax.random.key(2), (2, 16), 0, 100)
+      >>> loss = jaxmem.chunked_cross_entropy(h, w, y, token_chunks=4, vocab_chunks=3)
+      >>> ref = optax.softmax_cross_entropy_with_integer_labels(h @ w, y).mean()
+      >>> bool(jnp.allclose(loss, ref, rtol=1e-5))
+      True
+      >>> dw = jax.grad(lambda w: jaxmem.chunked_cross_entropy(h, w, y, token_chunks=4))(w)
+    """
+    hidden, weight, labels = jnp.asarray(hidden), jnp.asarray(weight), jnp.asarray(labels)
+    if hidden.ndim < 1 or weight.ndim != 2 or hidden.shape[-1] != weight.shape[0]:
+        raise ValueError(
+            f"chunked_cross_entropy: hidden {hidden.shape} and weight {weight.shape} do not "
+            "fit; expected hidden [..., d] and weight [d, vocab] (for tied embeddings "
+            "[vocab, d], pass embedding.T)."
+        )
+    if labels.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"chunked_cross_entropy: labels has shape {labels.shape} but hidden {hidden.shape} "
+            f"needs labels of shape {hidden.shape[:-1]} (one integer label per token)."
+        )
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise ValueError(
+            f"chunked_cross_entropy: labels must be integers, got {labels.dtype}; for soft "
+            "targets use optax.softmax_cross_entropy on full logits."
+        )
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(
+            f"chunked_cross_entropy: reduction must be 'mean', 'sum' or 'none'; got "
+            f"{reduction!r}."
+        )
+    d, vocab = weight.shape
+    if bias is None:
+        bias = jnp.zeros((vocab,), weight.dtype)
+    bias = jnp.asarray(bias)
+    if bias.shape != (vocab,):
+        raise ValueError(
+            f"chunked_cross_entropy: bias has shape {bias.shape}; expected ({vocab},) to match "
+            f"weight {weight.shape}."
+        )
+    n = math.prod(labels.shape)
+    for name, c, size in (("token_chunks", token_chunks, n), ("vocab_chunks", vocab_chunks, vocab)):
+        if isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= size:
+            what = "tokens" if name == "token_chunks" else "vocabulary entries"
+            raise ValueError(
+                f"chunked_cross_entropy: {name}={c!r} must be an int in [1, {size}] (there are "
+                f"{size} {what}: hidden {hidden.shape}, weight {weight.shape})."
+            )
+    ts = -(-n // token_chunks)
+    t = -(-n // ts)
+    vs = -(-vocab // vocab_chunks)
+    v = -(-vocab // vs)
+    cfg = _CE(t=t, ts=ts, v=v, vs=vs, vocab=vocab, unroll=unroll)
+
+    x = hidden.reshape(n, d)
+    lab = labels.reshape(n).astype(jnp.int32)
+    valid = jnp.ones((n,), bool) if ignore_index is None else lab != ignore_index
+    if t * ts != n:
+        pad = t * ts - n
+        x = jnp.pad(x, ((0, pad), (0, 0)))
+        lab = jnp.pad(lab, (0, pad))
+        valid = jnp.pad(valid, (0, pad))
+    if v * vs != vocab:
+        weight = jnp.pad(weight, ((0, 0), (0, v * vs - vocab)))
+        bias = jnp.pad(bias, (0, v * vs - vocab))
+
+    if reduction == "none":
+        return _ce_tokens(cfg, x, weight, bias, lab, valid)[:n].reshape(labels.shape)
+    scale = valid.astype(jnp.float32)
+    if reduction == "mean":
+        scale = scale / jnp.maximum(scale.sum(), 1.0)
+    return _ce_total(cfg, x, weight, bias, lab, scale)
