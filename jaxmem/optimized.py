@@ -19,7 +19,7 @@ import jax
 from jaxmem import measure
 from jaxmem import plan as planning
 from jaxmem.analysis import Analysis, from_program
-from jaxmem.measure import Figures
+from jaxmem.measure import Figures, fmt_bytes
 from jaxmem.plan import Plan
 from jaxmem.program import check_leaves, trace
 from jaxmem.rewrite import rewrite
@@ -81,7 +81,8 @@ class Optimized:
                  offload: bool | str = False, static_argnums: int | Sequence[int] | None = None,
                  static_argnames: str | Sequence[str] | None = None,
                  donate_argnums: int | Sequence[int] | str | None = "auto",
-                 max_recompute_fraction: float = 0.05, **jit_kwargs: Any) -> None:
+                 max_recompute_fraction: float = 0.05, verify: bool = True,
+                 **jit_kwargs: Any) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         if offload not in (False, True, "auto"):
@@ -99,6 +100,7 @@ class Optimized:
                                 else tuple(static_argnames or ()))
         self.donate_argnums = donate_argnums
         self.max_recompute_fraction = max_recompute_fraction
+        self.verify = verify
         self.jit_kwargs = jit_kwargs
         self._cache: dict[Any, _Entry] = {}
         self._warned_no_backward = False
@@ -234,8 +236,34 @@ class Optimized:
                 analysis, self.budget, auto=plan, compile_plan=compile_plan,
                 offload=self.offload)
             plan = dataclasses.replace(plan, donated=donated)
+        elif program.has_backward and self.strategy != "none":
+            from jaxmem import budget as budgeting
+
+            # No budget: values tagged with jaxmem.offload_name are offloaded; offload=True
+            # also offloads kept residuals whose round trip hides under compute.
+            if self.offload is True or budgeting.offload_tagged(analysis):
+                plan = budgeting.plan_offload(analysis, plan, offload=self.offload)
+                plan = dataclasses.replace(plan, donated=donated)
+        if (self.verify and self.budget is None and plan.recompute and not plan.offload):
+            plan = self._verified(plan, analysis, jit_plan, dyn_args, kwargs)
         return _Entry(analysis=analysis, plan=plan, jitted=jit_plan(plan),
                       donate_flat=donate_flat)
+
+    def _verified(self, plan: Plan, analysis: Analysis, jit_plan: Callable[[Plan], Any],
+                  dyn_args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
+        """Compile the plan and the plain step; keep the plain one if the plan is no better."""
+        flat = jax.tree_util.tree_leaves((dyn_args, kwargs))
+        none = dataclasses.replace(planning.plan_none(analysis), donated=plan.donated)
+        got = measure.figures(measure.compile(jit_plan(plan).lower(*flat)))
+        base = measure.figures(measure.compile(jit_plan(none).lower(*flat)))
+        if got.peak < base.peak:
+            return plan.with_figures(got, base)
+        note = (f"the {plan.strategy!r} plan compiled to a peak of {fmt_bytes(got.peak)}, not "
+                f"below the plain step's {fmt_bytes(base.peak)}: kept the plain step "
+                "(pass verify=False to force the plan, or try a budget)")
+        warnings.warn(f"jaxmem.optimize: {note}", stacklevel=5)
+        return dataclasses.replace(none, strategy=plan.strategy, notes=plan.notes + (note,),
+                                   compiled=base, baseline=base)
 
     def _baseline(self, entry: _Entry, flat: list[Any]) -> Figures:
         """Plain ``jax.jit`` of the same program, compiled the same way (same donation)."""
@@ -261,7 +289,8 @@ def optimize(fn: Callable[..., Any] | None = None, *, budget: Any = None,
              static_argnums: int | Sequence[int] | None = None,
              static_argnames: str | Sequence[str] | None = None,
              donate_argnums: int | Sequence[int] | str | None = "auto",
-             max_recompute_fraction: float = 0.05, **jit_kwargs: Any) -> Any:
+             max_recompute_fraction: float = 0.05, verify: bool = True,
+             **jit_kwargs: Any) -> Any:
     """Jit a train step so that it needs less accelerator memory, with the same results.
 
     jaxmem traces the step (which calls ``jax.grad``/``value_and_grad`` and an optimizer
@@ -280,6 +309,9 @@ def optimize(fn: Callable[..., Any] | None = None, *, budget: Any = None,
         ``()`` to donate nothing (keep using the old arrays) or explicit indices.
       max_recompute_fraction: recompute a residual only if its chain costs at most this
         fraction of its layer's heavy FLOPs.
+      verify: compile the plan and the plain step once and keep the plain step (with a
+        warning and a note in the plan) if the plan's compiled peak is not lower. This
+        guarantees ``optimize`` is never worse than ``jax.jit``, at one extra compile.
       **jit_kwargs: ``keep_unused`` / ``inline``, passed to ``jax.jit``.
 
     Returns:
@@ -296,7 +328,7 @@ def optimize(fn: Callable[..., Any] | None = None, *, budget: Any = None,
     """
     kw = dict(budget=budget, strategy=strategy, offload=offload, static_argnums=static_argnums,
               static_argnames=static_argnames, donate_argnums=donate_argnums,
-              max_recompute_fraction=max_recompute_fraction, **jit_kwargs)
+              max_recompute_fraction=max_recompute_fraction, verify=verify, **jit_kwargs)
     if fn is None:
         return lambda f: Optimized(f, **kw)
     if not callable(fn):
