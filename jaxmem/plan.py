@@ -171,6 +171,12 @@ def plan_auto(analysis: Analysis, *, max_recompute_fraction: float = 0.05,
         if r.nbytes < min_bytes:
             reasons[r.value] = f"smaller than min_bytes={min_bytes}"
             continue
+        if not any(prog.values[a].producer is not None or prog.values[a].is_input
+                   for a in chain_anchors(analysis, r)):
+            # iota / broadcast of a constant: XLA re-creates these itself inside the fusion
+            # that reads them; an explicit copy would be hoisted and stored instead.
+            reasons[r.value] = "made from constants only: left to XLA"
+            continue
         ref = heavy.get(r.layer) or total_heavy / n_heavy_layers
         if ref and r.recompute_flops > max_recompute_fraction * ref:
             reasons[r.value] = (f"recompute {r.recompute_flops:.3g} FLOPs > "
