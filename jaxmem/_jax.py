@@ -251,3 +251,14 @@ def shard_buffers(x: Any) -> list[tuple[Any, int, int]]:
 
 def device_space() -> Any:
     return jax.memory.Space.Device
+
+
+# --- jaxmem.checkpoint (jaxmem.remat) -----------------------------------------------------
+
+def current_name_stack() -> Any:
+    """The name stack JAX is binding under right now (outer transforms and scopes)."""
+    return _siu.current_name_stack()
+
+
+def is_tracer(x: Any) -> bool:
+    return isinstance(x, jax.core.Tracer)
