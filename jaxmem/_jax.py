@@ -262,3 +262,33 @@ def current_name_stack() -> Any:
 
 def is_tracer(x: Any) -> bool:
     return isinstance(x, jax.core.Tracer)
+
+
+_SCAN_PATCH_LOCK = __import__("threading").RLock()
+
+
+@contextlib.contextmanager
+def checkpointed_scan_bodies(policy: Any) -> Iterator[None]:
+    """While tracing, run every ``lax.scan`` body under ``jax.checkpoint(policy=policy)``.
+
+    The joint-jaxpr rewrite keeps a scan whole, so per-layer remat inside a scanned stack
+    (``nn.scan``, ``nnx.scan``, hand-written ``lax.scan``) must be asked for before AD runs.
+    JAX has no global hook for that; this swaps ``jax.lax.scan`` for a wrapper for the
+    duration of one trace, under a lock, and always restores it. Callers that imported
+    ``scan`` by name before this runs are not affected (flax and jaxmem look it up on
+    ``jax.lax`` at call time).
+    """
+    import functools
+
+    original = jax.lax.scan
+
+    @functools.wraps(original)
+    def scan(f: Any, *args: Any, **kwargs: Any) -> Any:
+        return original(jax.checkpoint(f, policy=policy, prevent_cse=False), *args, **kwargs)
+
+    with _SCAN_PATCH_LOCK:
+        jax.lax.scan = scan
+        try:
+            yield
+        finally:
+            jax.lax.scan = original

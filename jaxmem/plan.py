@@ -19,7 +19,7 @@ import enum
 from collections import defaultdict
 from collections.abc import Iterable
 
-from jaxmem.analysis import Analysis, Residual
+from jaxmem.analysis import Analysis, Residual, is_anchor, recompute_chain
 from jaxmem.measure import Figures, fmt_bytes
 
 
@@ -145,6 +145,37 @@ def chain_flops(analysis: Analysis, residuals: Iterable[Residual]) -> float:
     return float(sum(analysis.program.nodes[i].flops for i in nodes))
 
 
+def recompute_cost(analysis: Analysis, dropped: Iterable[int]) -> float:
+    """FLOPs the rewrite spends re-creating ``dropped`` values, exactly as it replays them.
+
+    Chains start from kept values (inputs, heavy outputs, residuals not dropped), so they
+    grow when neighbours are dropped too; each backward region (a run of backward nodes of
+    one layer) re-creates what it reads once, and a later region pays again.
+    """
+    prog = analysis.program
+    dropped = frozenset(dropped)
+    residual_ids = {r.value for r in analysis.residuals}
+
+    def kept(v: int) -> bool:
+        return v not in dropped and (v in residual_ids or is_anchor(prog, v))
+
+    total, region, done = 0.0, None, set()
+    for n in prog.nodes:
+        if n.phase != "backward":
+            continue
+        need = [v for v in n.inputs if v in dropped]
+        if not need:
+            continue
+        if (n.phase, n.layer) != region:
+            region, done = (n.phase, n.layer), set()
+        for v in need:
+            for i in recompute_chain(prog, v, kept):
+                if i not in done:
+                    done.add(i)
+                    total += prog.nodes[i].flops
+    return total
+
+
 def chain_anchors(analysis: Analysis, r: Residual) -> set[int]:
     """Values a residual's recompute chain reads that are not themselves in the chain."""
     prog = analysis.program
@@ -153,8 +184,17 @@ def chain_anchors(analysis: Analysis, r: Residual) -> set[int]:
 
 
 def plan_auto(analysis: Analysis, *, max_recompute_fraction: float = 0.05,
-              min_bytes: int = 0) -> Plan:
-    """MEDL's rule: recompute utility-layer residuals, keep heavy ones (see module doc)."""
+              max_layer_fraction: float = 0.5, min_bytes: int = 0) -> Plan:
+    """MEDL's rule: recompute utility-layer residuals, keep heavy ones (see module doc).
+
+    Args:
+      analysis: what to plan for.
+      max_recompute_fraction: cap on all recompute FLOPs together, as a fraction of the
+        step's FLOPs; candidates are taken by bytes freed per FLOP until the cap is reached.
+      max_layer_fraction: a single residual whose chain costs more than this fraction of its
+        layer's heavy (matmul/conv) FLOPs is never recomputed.
+      min_bytes: residuals smaller than this are kept.
+    """
     heavy = layer_heavy_flops(analysis)
     total_heavy = sum(heavy.values())
     n_heavy_layers = max(1, sum(1 for f in heavy.values() if f > 0))
@@ -177,12 +217,52 @@ def plan_auto(analysis: Analysis, *, max_recompute_fraction: float = 0.05,
             # that reads them; an explicit copy would be hoisted and stored instead.
             reasons[r.value] = "made from constants only: left to XLA"
             continue
-        ref = heavy.get(r.layer) or total_heavy / n_heavy_layers
-        if ref and r.recompute_flops > max_recompute_fraction * ref:
-            reasons[r.value] = (f"recompute {r.recompute_flops:.3g} FLOPs > "
-                                f"{max_recompute_fraction:g} x layer heavy FLOPs {ref:.3g}")
-            continue
         candidates[r.value] = r
+
+    # The marginal chain: from every other residual, as if it were kept.
+    marginal = {
+        r.value: recompute_chain(prog, r.value, lambda u, v=r.value: u != v and (
+            u in residual_ids or is_anchor(prog, u)))
+        for r in candidates.values()}
+    mflops = {v: sum(prog.nodes[i].flops for i in ch) for v, ch in marginal.items()}
+    for r in list(candidates.values()):
+        ref = heavy.get(r.layer) or total_heavy / n_heavy_layers
+        if ref and mflops[r.value] > max_layer_fraction * ref:
+            del candidates[r.value]
+            reasons[r.value] = (f"recompute {mflops[r.value]:.3g} FLOPs > "
+                                f"{max_layer_fraction:g} x layer heavy FLOPs {ref:.3g}")
+
+    # Global FLOP cap: cheapest bytes first, then checked with the rewrite's own chains
+    # (which grow when neighbours are dropped, and are paid once per backward region).
+    cap = max_recompute_fraction * prog.flops
+    # Rank by bytes freed per marginal FLOP.
+    # Dropping a value that other chains pass through (a residual-stream add, a block input)
+    # lengthens all of them: rank it behind values nothing else is rebuilt from.
+    through: dict[int, int] = defaultdict(int)
+    for r in candidates.values():
+        for i in r.chain:
+            for o in prog.nodes[i].outputs:
+                if o != r.value and o in candidates:
+                    through[o] += 1
+    order = sorted(candidates.values(), key=lambda r: -r.nbytes / (mflops[r.value] + 1.0)
+                   / (1.0 + through[r.value]))
+    spent, paid = 0.0, set()
+    for r in order:
+        extra = sum(prog.nodes[i].flops for i in marginal[r.value] if i not in paid)
+        if spent + extra > cap:
+            del candidates[r.value]
+            reasons[r.value] = (f"over the recompute cap ({max_recompute_fraction:g} of the "
+                                "step's FLOPs)")
+            continue
+        spent += extra
+        paid.update(marginal[r.value])
+    order = [r for r in order if r.value in candidates]
+    while order and recompute_cost(analysis, candidates) > cap:
+        for r in order[-max(1, len(order) // 10):]:  # drop the worst tenth, re-check
+            del candidates[r.value]
+            reasons[r.value] = (f"over the recompute cap ({max_recompute_fraction:g} of the "
+                                "step's FLOPs) once chains are replayed per region")
+        order = order[:-max(1, len(order) // 10)]
 
     # A chain keeps its anchors alive into the backward pass. Anchors that are residuals or
     # inputs are alive anyway; others (a matmul output feeding a norm) cost memory.
@@ -213,7 +293,7 @@ def plan_auto(analysis: Analysis, *, max_recompute_fraction: float = 0.05,
         else:
             choices.append(Choice(r, Decision.SAVE, reasons.get(r.value, "kept")))
     return Plan(choices=tuple(choices), strategy="auto",
-                recompute_flops=chain_flops(analysis, candidates.values()),
+                recompute_flops=recompute_cost(analysis, candidates),
                 baseline_flops=prog.flops)
 
 

@@ -130,6 +130,9 @@ def flops(name: str, in_avals: Sequence[Any], out_avals: Sequence[Any],
     kind = classify(name)
     if kind == "free":
         return 0.0
+    if name in ("random_bits", "threefry2x32"):
+        # Threefry hashing: XLA's cost model counts 45 FLOPs per generated 32-bit word.
+        return 45.0 * out_size
     if name.startswith("reduce_window") or name.startswith("select_and"):
         window = params.get("window_dimensions", ())
         return float(out_size * (math.prod(window) if window else 1))
