@@ -2,21 +2,32 @@
 
 Public entry points (see README.md and docs/):
 
+- :func:`jaxmem.optimize` — a drop-in ``jax.jit`` for train steps that needs less memory,
+  optionally under a ``budget=``.
 - :func:`jaxmem.analyze` — which forward values the backward pass keeps, by layer.
-- :func:`jaxmem.optimize` — a drop-in ``jax.jit`` for train steps that needs less memory.
+- :func:`jaxmem.checkpoint`, :mod:`jaxmem.policies`, :mod:`jaxmem.flax` — the same plans
+  through ``jax.checkpoint``, for losses, blocks, scan bodies and flax modules.
+- :func:`jaxmem.chunked`, :func:`jaxmem.chunked_cross_entropy` — bottleneck layers in chunks.
+- :func:`jaxmem.offload_name` — park a value in host memory between forward and backward.
 - :mod:`jaxmem.measure` — XLA's own compiled memory figures, measured the jaxmem way.
 - :mod:`jaxmem.managed_memory` — CUDA Unified Memory for XLA's GPU client.
 """
 
-from jaxmem import managed_memory, measure, primitives, program
+from jaxmem import flax, managed_memory, measure, policies, primitives, program
 from jaxmem.analysis import Analysis, Residual, analyze
+from jaxmem.budget import Budget, BudgetError, offload_name, pareto
+from jaxmem.chunked import chunked, chunked_cross_entropy
+from jaxmem.costmodel import DeviceProfile
 from jaxmem.optimized import Optimized, optimize
 from jaxmem.plan import Choice, Decision, Plan
 from jaxmem.program import Program, TraceError, trace
+from jaxmem.remat import Checkpointed, checkpoint
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
-    "Analysis", "Choice", "Decision", "Optimized", "Plan", "Program", "Residual", "TraceError",
-    "analyze", "managed_memory", "measure", "optimize", "primitives", "program", "trace",
+    "Analysis", "Budget", "BudgetError", "Checkpointed", "Choice", "Decision", "DeviceProfile",
+    "Optimized", "Plan", "Program", "Residual", "TraceError", "analyze", "checkpoint",
+    "chunked", "chunked_cross_entropy", "flax", "managed_memory", "measure", "offload_name",
+    "optimize", "pareto", "policies", "primitives", "program", "trace",
 ]
