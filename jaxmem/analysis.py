@@ -76,6 +76,27 @@ class Residual:
         return self.kind not in ("argument", "constant")
 
 
+@dataclasses.dataclass(frozen=True)
+class Bottleneck:
+    """One layer whose own working set is a large share of the peak (MEDL's bottleneck).
+
+    Attributes:
+      layer: the layer path (``""`` for top-level code such as a loss head).
+      primitive: the primitive making the largest value.
+      shape, dtype, nbytes: that value.
+      share: ``nbytes / predicted peak``.
+      suggestion: what to do, with the predicted saving at 16 chunks.
+    """
+
+    layer: str
+    primitive: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    share: float
+    suggestion: str
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Analysis:
     """What the backward pass keeps, by layer, and the predicted memory timeline.
@@ -115,6 +136,40 @@ class Analysis:
     @property
     def unknown_primitives(self) -> tuple[str, ...]:
         return self.program.unknown_primitives
+
+    def bottlenecks(self, threshold: float = 0.25, chunks: int = 16) -> list[Bottleneck]:
+        """Layers making one value of at least ``threshold`` of the predicted peak.
+
+        Chunking such a layer along its batch or token axis (:func:`jaxmem.chunked`, or
+        :func:`jaxmem.chunked_cross_entropy` for a logits + cross-entropy head) holds about
+        two chunks of it at a time; the suggestion quotes ``nbytes * (1 - 2 / chunks)``.
+        """
+        if not self.peak_bytes:
+            return []
+        best: dict[str, tuple[int, Node, Any]] = {}
+        for n in self.program.nodes:
+            if n.phase == "backward":
+                continue
+            for o in n.outputs:
+                v = self.program.values[o]
+                if v.nbytes > best.get(n.layer, (0, None, None))[0]:
+                    best[n.layer] = (v.nbytes, n, v)
+        out = []
+        for layer, (nbytes, node, v) in best.items():
+            share = nbytes / self.peak_bytes
+            if share < threshold:
+                continue
+            saving = fmt_bytes(nbytes * (1 - 2 / chunks))
+            readers = {self.program.nodes[i].primitive for i in self.program.users.get(v.id, ())}
+            if node.primitive == "dot_general" and readers & {"reduce_max", "exp", "sub"}:
+                hint = (f"logits feeding a softmax: jaxmem.chunked_cross_entropy(..., "
+                        f"token_chunks={chunks}) never materialises them (saves ~{saving})")
+            else:
+                hint = (f"run it with jaxmem.chunked(..., chunks={chunks}) along its batch or "
+                        f"token axis (saves ~{saving})")
+            out.append(Bottleneck(layer=layer, primitive=node.primitive, shape=v.shape,
+                                  dtype=v.dtype, nbytes=nbytes, share=share, suggestion=hint))
+        return sorted(out, key=lambda b: -b.nbytes)
 
     def by_layer(self) -> list[tuple[str, int, int, int]]:
         """Rows ``(layer, count, bytes, recomputable bytes)``, largest first."""
@@ -169,6 +224,10 @@ class Analysis:
     def __str__(self) -> str:
         lines = [f"jaxmem.Analysis of a {self.mode}: {self.program}", self.summary()]
         lines += [f"note: {n}" for n in self.notes]
+        for b in self.bottlenecks():
+            lines.append(f"bottleneck: {b.layer or '<top>'} makes {b.dtype}{list(b.shape)} "
+                         f"({fmt_bytes(b.nbytes)}, {100 * b.share:.0f}% of the peak): "
+                         f"{b.suggestion}")
         if self.unknown_primitives:
             lines.append("unknown primitives (kept): " + ", ".join(self.unknown_primitives))
         if self.residuals:

@@ -292,9 +292,13 @@ def plan_auto(analysis: Analysis, *, max_recompute_fraction: float = 0.05,
                                   f"{r.recompute_flops:.3g} FLOPs from kept values"))
         else:
             choices.append(Choice(r, Decision.SAVE, reasons.get(r.value, "kept")))
+    notes = tuple(f"bottleneck: {b.layer or '<top>'} makes {b.dtype}{list(b.shape)} "
+                  f"({fmt_bytes(b.nbytes)}, {100 * b.share:.0f}% of the predicted peak), "
+                  f"which recompute cannot shrink; {b.suggestion}"
+                  for b in analysis.bottlenecks())
     return Plan(choices=tuple(choices), strategy="auto",
                 recompute_flops=recompute_cost(analysis, candidates),
-                baseline_flops=prog.flops)
+                baseline_flops=prog.flops, notes=notes)
 
 
 def plan_none(analysis: Analysis) -> Plan:

@@ -204,3 +204,23 @@ def test_measure_helpers():
     assert measure.compiler_options("gpu") == {}
     assert measure.fmt_bytes(1536) == "1.50 KiB"
     assert np.isfinite(f.bytes_accessed)
+
+
+def test_bottleneck_layers_are_flagged_with_a_suggestion():
+    import optax
+
+    def loss(w, x, lab):
+        h = jnp.tanh(x @ w["a"])
+        with jax.named_scope("head"):
+            logits = h @ w["head"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, lab).mean()
+
+    w = {"a": jnp.ones((32, 32)) * 0.01, "head": jnp.ones((32, 4096)) * 0.01}
+    x, lab = jnp.ones((512, 32)), jnp.zeros((512,), jnp.int32)
+    a = jaxmem.analyze(loss, w, x, lab)
+    (b,) = [b for b in a.bottlenecks() if b.layer == "head"]  # the softmax glue may follow
+    assert b.layer == "head" and b.shape == (512, 4096) and b.share >= 0.25
+    assert "chunked_cross_entropy" in b.suggestion and "bottleneck: head" in str(a)
+    # A balanced network has no bottleneck.
+    small = {"a": w["a"], "head": jnp.ones((32, 10)) * 0.01}
+    assert jaxmem.analyze(loss, small, x, lab).bottlenecks() == []
