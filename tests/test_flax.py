@@ -14,10 +14,15 @@ from jaxmem import measure
 
 
 def _rel(a, b):
+    """Largest difference relative to the largest gradient in the whole tree.
+
+    Per leaf would be wrong: a bias feeding BatchNorm has a true gradient of exactly zero,
+    so its computed gradient is float noise (~1e-8) and any reordering changes it by ~100%.
+    """
     a, b = jax.tree.leaves(a), jax.tree.leaves(b)
     assert len(a) == len(b) and a
-    return max(float(jnp.max(jnp.abs(x - y)) / (jnp.max(jnp.abs(y)) + 1e-30))
-               for x, y in zip(a, b, strict=True))
+    scale = max(float(jnp.max(jnp.abs(y))) for y in b) + 1e-30
+    return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(a, b, strict=True)) / scale
 
 
 # --- linen -------------------------------------------------------------------------------------
@@ -142,8 +147,6 @@ def _nnx_grads(model, ctx=None):
         return nnx.value_and_grad(loss)(model)
 
 
-@pytest.mark.xfail(strict=True, reason="KNOWN BUG (issue 7, open): grads of nnx BatchNorm "
-                   "models under nnx.remat differ from the unwrapped model's; not yet diagnosed")
 def test_nnx_remat_class_and_intercept_bn_dropout():
     ref_model = NNet(nnx.Rngs(0, dropout=1))
     (l0, g0) = _nnx_grads(ref_model)
@@ -160,27 +163,28 @@ def test_nnx_remat_class_and_intercept_bn_dropout():
     assert "__call__" not in NBlock.__dict__ or NBlock.__call__.__name__ == "__call__"
 
 
-@pytest.mark.xfail(strict=True, reason="KNOWN BUG (issue 7, open): nnx BatchNorm under "
-                   "jaxmem.analyze raises TraceContextError (BatchStat mutated across trace "
-                   "levels); named scopes themselves are checked by the named_scopes doctest")
 def test_nnx_named_scopes_show_paths():
     model = NNet(nnx.Rngs(0, dropout=1))
+    # Evaluation mode: under plain jax.value_and_grad nnx refuses to update batch statistics
+    # that were not differentiated (TraceContextError); this test is about the paths.
+    model.eval()
     graphdef, state, rest = nnx.split(model, nnx.Param, ...)
 
-    def loss(state):
+    def loss(state, rest):
         m = nnx.merge(graphdef, state, rest)
         with jaxmem.flax.nnx.named_scopes(m):
             return jnp.mean(m(X) ** 2)
 
-    analysis = jaxmem.analyze(loss, state)
-    layers = {r.layer for r in analysis.residuals}
-    assert "blocks/0/fc1" in layers and "blocks/1/bn" in layers, layers
+    analysis = jaxmem.analyze(loss, state, rest)
+    layers = {n.layer for n in analysis.program.nodes}
+    assert {"blocks/0/fc1", "blocks/1/fc2", "blocks/1/bn"} <= layers, layers
+    assert "blocks/1/bn" in {r.layer for r in analysis.residuals}
     # rematted blocks keep their paths
-    def loss2(state):
+    def loss2(state, rest):
         m = nnx.merge(graphdef, state, rest)
         with jaxmem.flax.nnx.named_scopes(m), jaxmem.flax.nnx.intercept(NBlock):
             return jnp.mean(m(X) ** 2)
-    stacks = {str(e.source_info.name_stack) for e in jax.make_jaxpr(loss2)(state).eqns}
+    stacks = {str(e.source_info.name_stack) for e in jax.make_jaxpr(loss2)(state, rest).eqns}
     assert any("blocks/1" in s for s in stacks), stacks
     assert NBlock.__call__ is NBlock.__dict__["__call__"]  # patches removed
 
