@@ -184,7 +184,13 @@ def test_nnx_named_scopes_show_paths():
         m = nnx.merge(graphdef, state, rest)
         with jaxmem.flax.nnx.named_scopes(m), jaxmem.flax.nnx.intercept(NBlock):
             return jnp.mean(m(X) ** 2)
-    stacks = {str(e.source_info.name_stack) for e in jax.make_jaxpr(loss2)(state, rest).eqns}
+    def stacks_of(jaxpr):
+        for e in jaxpr.eqns:
+            yield str(e.source_info.name_stack)
+            for sub in jax.extend.core.jaxprs_in_params(e.params):
+                yield from stacks_of(sub)
+
+    stacks = set(stacks_of(jax.make_jaxpr(loss2)(state, rest).jaxpr))
     assert any("blocks/1" in s for s in stacks), stacks
     assert NBlock.__call__ is NBlock.__dict__["__call__"]  # patches removed
 
