@@ -27,6 +27,15 @@ the model's target is tightened by the miss (if it is well under, loosened, to b
 FLOPs); at most ``max_compiles`` compiles. The final :class:`~jaxmem.plan.Plan` records the
 predicted and the compiled peaks. If nothing fits, :class:`BudgetError` says what the lowest
 peak found was and what to try.
+
+The candidates the loop compiles are monotone: after a plan compiles over the budget, every
+later (tighter) plan drops a superset of it. When the model cannot reach the target, the
+loop tries greedy's lowest-memory plan, then Chen's sqrt(n) segments. A plan is returned only
+if its compiled peak is within the budget (so never above the plain-jit peak); a plan's
+``recompute_flops`` is :func:`jaxmem.plan.recompute_cost`, the FLOPs the rewrite replays.
+
+Set the environment variable ``JAXMEM_BUDGET_DEBUG=1`` to print one line per compiled
+candidate (target, predicted and compiled peak, sizes of the drop and offload sets).
 """
 
 from __future__ import annotations
@@ -52,7 +61,7 @@ from jaxmem.costmodel import (
     offload_tagged,
 )
 from jaxmem.measure import Figures, fmt_bytes
-from jaxmem.plan import Choice, Decision, Plan, plan_none
+from jaxmem.plan import Choice, Decision, Plan, plan_none, recompute_cost
 
 _DEBUG = bool(__import__("os").environ.get("JAXMEM_BUDGET_DEBUG"))
 
@@ -585,7 +594,8 @@ def make_plan(model: CostModel, drop: Iterable[int], off: Iterable[int], strateg
                               "anchor of a recompute chain (not read by the backward "
                               "itself): dropped, so its segment is recomputed from earlier "
                               "kept values"))
-    return Plan(choices=tuple(choices), strategy=strategy, recompute_flops=ev.flops,
+    return Plan(choices=tuple(choices), strategy=strategy,
+                recompute_flops=recompute_cost(model.analysis, drop),
                 baseline_flops=model.program.flops, predicted_peak=ev.peak, budget=budget,
                 notes=tuple(notes))
 
@@ -732,11 +742,14 @@ def plan_with_budget(analysis: Analysis, budget: Any, *, auto: Plan | None = Non
     tried: dict[tuple, tuple[int, Figures | None, str | None]] = {}
     best: tuple[float, frozenset, frozenset, Figures | None, list[str], str] | None = None
     lowest = plain
-    target = requested
+    target: int | None = requested
     used = "greedy"
-    min_tried = False
+    min_tried = seg_tried = False
     points: list[tuple[int, int]] = []
-    seed = frozenset(auto.recompute) if auto is not None else frozenset()
+    # Monotone candidates: every plan tried after one that compiled over the budget drops a
+    # superset of it (the compiler's peak is not the model's; a tighter plan that gave back
+    # drops the last one needed could compile higher). ``floor`` is that drop set.
+    floor: frozenset[int] = frozenset()
     if auto is not None and compile_plan is not None and not forced and auto.recompute:
         # MEDL's rule first: nearly free, and often enough
         fig = compile_plan(auto)
@@ -749,19 +762,30 @@ def plan_with_budget(analysis: Analysis, budget: Any, *, auto: Plan | None = Non
             best = (ev.time, frozenset(auto.recompute), frozenset(), fig, [], "auto (MEDL)")
             target = None
         else:
+            floor = frozenset(auto.recompute) & model.candidates
             target = _next_target(points, requested)
-    for _ in range(max(1, max_compiles - compiles) + 1):
+    elif auto is not None:
+        floor = frozenset(auto.recompute) & model.candidates
+    for _ in range(max(1, max_compiles - compiles) + 2):
         if target is None:
             break
         d, o, fits_model, used = _solve(model, target, solver, allow_off, forced, time_limit,
-                                        notes, start=seed)
+                                        notes, start=floor)
         if not fits_model:
-            if min_tried:
+            if min_tried and seg_tried:
                 break
-            # the model cannot reach target: try the lowest-memory plan once
-            d, o, _ = greedy(model, 0, allow_offload=allow_off, forced_offload=forced,
-                             start=seed)
-            min_tried = True
+            if not min_tried:
+                # the model cannot reach target: try the lowest-memory plan once
+                d, o, _ = greedy(model, 0, allow_offload=allow_off, forced_offload=forced,
+                                 start=floor)
+                min_tried = True
+                used = "greedy (lowest)"
+            else:
+                # below what greedy's lowest plan compiles to: Chen's sqrt(n) segments
+                d, o = plan_segments(analysis, profile=model.profile).recompute, frozenset()
+                seg_tried = True
+                used = "segments"
+        d = (d | floor) - o
         key = (d, o)
         ev = model.evaluate(d, o)
         if key in tried:
@@ -780,17 +804,20 @@ def plan_with_budget(analysis: Analysis, budget: Any, *, auto: Plan | None = Non
         lowest = min(lowest, dev)
         points.append((target, dev))
         if _DEBUG:
-            print("budget loop:", fmt_bytes(target), fmt_bytes(ev.peak), fmt_bytes(dev),
-                  len(d), len(o))
+            print(f"jaxmem budget loop ({used}): target {fmt_bytes(target)}, predicted "
+                  f"{fmt_bytes(ev.peak)}, compiled {fmt_bytes(dev)}, drop {len(d)}, "
+                  f"offload {len(o)}")
         if dev <= requested:
             if best is None or ev.time < best[0]:
                 best = (ev.time, d, o, fig, [note] if note else [], used)
-            if requested - dev < 0.05 * requested or compile_plan is None:
+            if requested - dev < 0.05 * requested or compile_plan is None or used != "greedy":
                 break
-        elif min_tried:
-            break
+        else:
+            floor = d
+            if seg_tried:
+                break
         new_target = _next_target(points, requested)
-        if new_target == target:
+        if new_target == target and fits_model:
             break
         target = new_target
     if best is None:
@@ -842,6 +869,15 @@ def plan_offload(analysis: Analysis, auto: Plan, offload: bool | str = True,
                         key=lambda x: -model.bytes.get(x, 0)):
             if model.transfer(off | {v}) <= model.transfer(off):
                 off.add(v)
+        # a value the auto plan recomputes is offloaded instead when that is predicted
+        # cheaper (the round trip hides, the recompute does not) and no higher in peak
+        cur = model.evaluate(drop, off)
+        for v in sorted(model.offloadable() & drop, key=lambda x: -model.bytes.get(x, 0)):
+            ev = model.evaluate(drop - {v}, off | {v})
+            if ev.time < cur.time and ev.peak <= cur.peak:
+                drop.discard(v)
+                off.add(v)
+                cur = ev
     plan = make_plan(model, drop, off, "auto+offload", "auto", notes=auto.notes)
     return plan
 

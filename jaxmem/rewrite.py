@@ -34,10 +34,36 @@ def _region(node: Node) -> tuple[str, str]:
 
 class _Replay:
     def __init__(self, program: Program, recompute: frozenset[int], offload: frozenset[int],
-                 residuals: frozenset[int]) -> None:
+                 residuals: frozenset[int], prefetch: bool = True,
+                 persist: frozenset[int] = frozenset()) -> None:
         self.p = program
         self.recompute = recompute
         self.offload = offload
+        self.persist = persist
+        # Backward runs: maximal runs of consecutive backward nodes of one layer. With
+        # prefetch, an offloaded value first read in run k is fetched at the start of run k-1.
+        self.run_of: dict[int, int] = {}
+        self.ahead: dict[int, list[int]] = {}   # node index -> offloaded values to fetch there
+        if prefetch and offload:
+            starts: list[int] = []
+            reads: list[dict[int, None]] = []
+            key = None
+            for n in program.nodes:
+                if n.phase != "backward":
+                    continue
+                if _region(n) != key:
+                    key = _region(n)
+                    starts.append(n.index)
+                    reads.append({})
+                self.run_of[n.index] = len(starts) - 1
+                for v in n.inputs:
+                    if v in offload:
+                        reads[-1][v] = None
+            for k in range(1, len(starts)):
+                early = [v for v in reads[k]
+                         if program.values[v].producer < starts[k - 1]]
+                if early:
+                    self.ahead[starts[k - 1]] = early
         # Values a chain may start from: program inputs, constants, kept residuals and
         # anchors (heavy outputs, units) — never a value the plan drops.
         self.kept = lambda v: v not in recompute and v not in offload and (
@@ -78,17 +104,27 @@ class _Replay:
         host: dict[int, Any] = {}
         region: tuple[str, str] | None = None
         cache: dict[int, Any] = {}
+        kept_on: dict[int, Any] = {}     # persist: recomputed copies kept to the end
+        fetched: dict[tuple[int, int], Any] = {}  # (run, value) -> prefetched device copy
         last_backward: list[Any] = []
         for n in p.nodes:
+            if n.index in self.ahead:
+                self.prefetch(n, env, host, fetched, last_backward)
             needs = [v for v in n.inputs if v in self.recompute or v in self.offload]
             if n.phase == "backward" and needs:
                 if _region(n) != region:
-                    region, cache = _region(n), {}
+                    region, cache = _region(n), dict(kept_on)
+                run = self.run_of.get(n.index)
+                for v in needs:
+                    if (run, v) in fetched and v not in cache:
+                        cache[v] = fetched[(run, v)]
                 tie = [env[v] for v in n.inputs
                        if v not in self.recompute and v not in self.offload
                        and not p.values[v].is_const] or last_backward
                 self.materialise([v for v in dict.fromkeys(needs) if v not in cache],
                                  env, host, cache, tie)
+                if self.persist:
+                    kept_on.update({v: x for v, x in cache.items() if v in self.persist})
                 ins = [cache[v] if v in cache else env[v] for v in n.inputs]
             else:
                 ins = [env[v] for v in n.inputs]
@@ -102,6 +138,24 @@ class _Replay:
             if n.phase == "backward" and outs:
                 last_backward = [outs[0]]
         return [env[v] for v in p.outputs]
+
+    def prefetch(self, n: Node, env: dict[int, Any], host: dict[int, Any],
+                 fetched: dict[tuple[int, int], Any], last_backward: list[Any]) -> None:
+        """Fetch the offloaded values the next backward run reads, at the start of this one,
+        tied to this run's cotangents (so the copy overlaps this run's compute)."""
+        vs = [v for v in self.ahead[n.index] if v in host]
+        if not vs:
+            return
+        tie = [env[v] for v in n.inputs if v not in self.recompute and v not in self.offload
+               and not self.p.values[v].is_const] or last_backward
+        operands = [host[v] for v in vs]
+        if tie:
+            operands, _ = lax.optimization_barrier((operands, list(tie)))
+        run = self.run_of[n.index] + 1
+        for v, x in zip(vs, operands, strict=True):
+            m = self.p.nodes[self.p.values[v].producer]
+            with _jax.user_context(m.eqn.source_info.traceback, m.stack):
+                fetched[(run, v)] = jax.device_put(x, _jax.device_space())
 
     def materialise(self, targets: list[int], env: dict[int, Any], host: dict[int, Any],
                     cache: dict[int, Any], tie: list[Any]) -> None:
@@ -130,13 +184,16 @@ class _Replay:
                 outs = _jax.bind(n.eqn, *ins)
             for o, x in zip(n.outputs, outs, strict=True):
                 local[o] = x
+                if o in self.persist:
+                    cache[o] = x
         for v in redo:
             cache[v] = local[v]
 
 
 def rewrite(program: Program, recompute: frozenset[int] = frozenset(),
             offload: frozenset[int] = frozenset(),
-            residuals: frozenset[int] | None = None) -> Callable[..., list[Any]]:
+            residuals: frozenset[int] | None = None, *, prefetch: bool = True,
+            persist: frozenset[int] = frozenset()) -> Callable[..., list[Any]]:
     """A function of the program's flat inputs that recomputes / offloads as told.
 
     Args:
@@ -145,6 +202,13 @@ def rewrite(program: Program, recompute: frozenset[int] = frozenset(),
       offload: value ids to park in host memory between their forward and backward uses.
       residuals: all residual value ids (those not in ``recompute``/``offload`` are kept
         and may anchor chains). Defaults to the program's residuals.
+      prefetch: fetch each offloaded value back at the start of the backward run (a run of
+        consecutive backward nodes of one layer) *before* the one that reads it, behind a
+        barrier tied to that earlier run's cotangents, so the copy overlaps its compute.
+        ``False``: fetch in the reading run itself. Only offloaded values are affected.
+      persist: recomputed value ids whose re-created copies are kept for the rest of the
+        backward pass (segment recompute: a segment is re-run once, not once per backward
+        region that reads it). Default: none; every region re-creates what it reads.
     """
     if residuals is None:
         from jaxmem.analysis import find_residuals
@@ -154,5 +218,6 @@ def rewrite(program: Program, recompute: frozenset[int] = frozenset(),
     if bad:
         raise ValueError(f"values {bad} are program inputs or constants: nothing to recompute "
                          "or offload")
-    replay = _Replay(program, frozenset(recompute), frozenset(offload), frozenset(residuals))
+    replay = _Replay(program, frozenset(recompute), frozenset(offload), frozenset(residuals),
+                     prefetch=prefetch, persist=frozenset(persist) & frozenset(recompute))
     return replay.run

@@ -212,3 +212,63 @@ def test_pareto_rows(mlp):
     assert len(sweep.rows) == 2 and "budget" in str(sweep)
     for r in sweep.rows:
         assert not r.fits or r.compiled_peak <= r.budget_bytes
+
+
+# --- the loop: monotone candidates, exact FLOPs, persist ----------------------------------
+
+def test_loop_candidates_are_monotone_and_error_reports_lowest():
+    """A compiler that never gets under the budget: each plan tried after an over-budget one
+    drops a superset of it, and BudgetError carries the lowest compiled peak."""
+    from jaxmem.measure import Figures
+    from jaxmem.plan import plan_auto
+
+    step, args = _mlp(depth=6, batch=256)
+    a = from_program(jaxmem.trace(step, *args))
+    m = CostModel(a, "cpu")
+    seen: list[frozenset[int]] = []
+
+    def fake_compile(plan):   # the model's peak, plus 30% of the plain peak: always over
+        seen.append(plan.recompute)
+        peak = m.evaluate(plan.recompute, plan.offload).peak + int(0.3 * a.peak_bytes)
+        return Figures(argument=peak, output=0, temp=0, alias=0, flops=1.0)
+
+    budget = int(a.argument_bytes + 0.2 * (a.peak_bytes - a.argument_bytes))
+    with pytest.raises(BudgetError) as e:
+        plan_with_budget(a, budget, auto=plan_auto(a), compile_plan=fake_compile,
+                         solver="greedy", max_compiles=6)
+    tried = seen[1:]  # seen[0] is the plain step
+    assert len(tried) >= 3
+    for before, after in zip(tried, tried[1:], strict=False):
+        assert before <= after, "a tighter candidate gave back drops"
+    fake_peaks = [m.evaluate(d, ()).peak + int(0.3 * a.peak_bytes) for d in seen]
+    assert e.value.minimum_bytes == min(fake_peaks)
+
+
+def test_plan_flops_are_the_rewrites_exact_count():
+    from jaxmem.plan import recompute_cost
+
+    step, args = _mlp(depth=6, batch=256)
+    a = from_program(jaxmem.trace(step, *args))
+    plan = plan_with_budget(a, int(a.argument_bytes + 0.5 * (a.peak_bytes - a.argument_bytes)))
+    assert plan.recompute
+    assert plan.recompute_flops == recompute_cost(a, plan.recompute)
+
+
+def test_persist_recomputes_a_segment_once():
+    """rewrite(persist=...) keeps re-created segment values for later backward regions: same
+    outputs, fewer re-bound equations; the default replays per region (unchanged)."""
+    from jaxmem.rewrite import rewrite
+
+    step, args = _mlp(depth=8, batch=64)
+    prog = jaxmem.trace(step, *args)
+    a = from_program(prog)
+    seg = plan_segments(a, segments=2)
+    res = frozenset(r.value for r in a.residuals)
+    flat = jax.tree.leaves(args)
+    per_region = rewrite(prog, seg.recompute, residuals=res)
+    once = rewrite(prog, seg.recompute, residuals=res, persist=seg.recompute)
+    n_per = len(jax.make_jaxpr(per_region)(*flat).jaxpr.eqns)
+    n_once = len(jax.make_jaxpr(once)(*flat).jaxpr.eqns)
+    assert n_once < n_per
+    for x, y in zip(jax.jit(once)(*flat), jax.jit(per_region)(*flat), strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6)

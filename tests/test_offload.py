@@ -86,3 +86,43 @@ def test_offload_with_budget_uses_predicted_device_peak():
 def test_offload_name_rejects_empty():
     with pytest.raises(ValueError):
         offload_name(jnp.ones(2), "")
+
+
+def _fetch_distances(closed) -> list[int]:
+    """For each device_put back to device memory: equations until its first reader."""
+    eqns = closed.jaxpr.eqns
+    out = []
+    for i, e in enumerate(eqns):
+        if e.primitive.name != "device_put":
+            continue
+        if getattr(e.outvars[0].aval, "memory_space", None) == jax.memory.Space.Host:
+            continue
+        ids = {id(v) for v in e.outvars}
+        j = next(k for k in range(i + 1, len(eqns))
+                 if any(id(v) in ids for v in eqns[k].invars))
+        out.append(j - i)
+    return out
+
+
+def test_prefetch_fetches_one_region_early():
+    from jaxmem.analysis import from_program
+    from jaxmem.budget import offload_tagged
+    from jaxmem.rewrite import rewrite
+
+    step, args = _step(tag=True)
+    prog = jaxmem.trace(step, *args)
+    a = from_program(prog)
+    off = offload_tagged(a)
+    res = frozenset(r.value for r in a.residuals)
+    flat = jax.tree.leaves(args)
+    early = rewrite(prog, offload=off, residuals=res)             # prefetch is the default
+    late = rewrite(prog, offload=off, residuals=res, prefetch=False)
+    d_early = _fetch_distances(jax.make_jaxpr(early)(*flat))
+    d_late = _fetch_distances(jax.make_jaxpr(late)(*flat))
+    assert len(d_early) == len(d_late) == len(off) == 3
+    assert sum(d_early) > sum(d_late)      # fetched further ahead of the reading equation
+    for x, y in zip(jax.jit(early)(*flat), jax.jit(late)(*flat), strict=True):
+        np.testing.assert_array_equal(x, y)
+    st = jax.jit(early).trace(*flat).lower(lowering_platforms=("cuda",)).as_text()
+    assert st.count('_xla_buffer_placement = "pinned_host"') == 3
+    assert st.count('_xla_buffer_placement = "device"') == 3
