@@ -57,13 +57,50 @@ def render(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def summary(data: dict[str, Any]) -> str:
+    """One row per model: plain-jit peak, then each variant's peak and FLOPs change vs plain."""
+    results = [r for r in data["results"] if not r.get("error")]
+    variants = list(dict.fromkeys(r["variant"] for r in results if r["variant"] != "plain"))
+    head = ["model", "plain peak"] + [f"{v}: peak / FLOPs" for v in variants]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    saved: dict[str, list[float]] = {v: [] for v in variants}
+    by_model: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in results:
+        by_model.setdefault(r["model"], {})[r["variant"]] = r
+    for model, rs in by_model.items():
+        base = rs.get("plain")
+        if base is None:
+            continue
+        cells = [f"{model} (batch {base['batch']})", f"{base['peak'] / 2**20:.1f} MiB"]
+        for v in variants:
+            r = rs.get(v)
+            if r is None:
+                cells.append("")
+                continue
+            saved[v].append(1 - r["peak"] / base["peak"])
+            cells.append(f"{_signed(r['peak'], base['peak'])} / "
+                         f"{_signed(r['flops'], base['flops'])}")
+        lines.append("| " + " | ".join(cells) + " |")
+    mean = ["**mean peak change**", ""] + [
+        f"**{-100 * sum(x) / len(x):+.1f}%**" if x else "" for x in saved.values()]
+    lines.append("| " + " | ".join(mean) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _signed(x: float, base: float) -> str:
+    return f"{100 * (x / base - 1):+.1f}%" if base else "n/a"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Print (or write with ``--out``) the markdown for a ``results.json``."""
     p = argparse.ArgumentParser(prog="python -m benchmarks table", description=__doc__)
     p.add_argument("results", nargs="?", type=Path, default=DEFAULT_OUT / "results.json")
     p.add_argument("--out", type=Path, help="write the markdown here instead of stdout")
+    p.add_argument("--summary", action="store_true",
+                   help="one row per model (the README's table) instead of one table each")
     args = p.parse_args(argv)
-    text = render(json.loads(args.results.read_text()))
+    data = json.loads(args.results.read_text())
+    text = summary(data) if args.summary else render(data)
     if args.out:
         args.out.write_text(text)
     else:
