@@ -43,30 +43,21 @@ __all__ = ["Checkpointed", "checkpoint", "parse_bytes"]
 
 STRATEGIES = ("auto", "none", "full")
 _TAG_RE = re.compile(re.escape(policies.TAG_PREFIX) + r"(\d+)")
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
 def parse_bytes(spec: int | str) -> int:
-    """``"6GiB"``, ``"500MB"``, ``"1.5 MiB"`` or an int -> bytes.
+    """``"6GiB"``, ``"500MB"``, ``"1.5 MiB"`` or an int -> bytes (``jaxmem.budget``'s parser).
 
     Example:
       >>> parse_bytes("1.5 KiB")
       1536
     """
-    if isinstance(spec, bool):
-        raise TypeError(f"a byte count must be an int or a string like '6GiB', got {spec!r}")
-    if isinstance(spec, int | np.integer):
-        if spec < 0:
-            raise ValueError(f"a byte count must be >= 0, got {spec}")
-        return int(spec)
-    if isinstance(spec, str):
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", spec)
-        if m and m.group(2).lower() in _UNITS:
-            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-        raise ValueError(f"cannot read {spec!r} as a byte count; write e.g. '6GiB', '500MB' "
-                         "or an int number of bytes")
-    raise TypeError(f"a byte count must be an int or a string like '6GiB', got {spec!r}")
+    from jaxmem.budget import parse_budget
+
+    if isinstance(spec, float):
+        raise TypeError(f"jaxmem.checkpoint's budget is bytes per call (an int or a string like "
+                        f"'6GiB'), got the float {spec!r}; fractions need a whole step, see "
+                        "jaxmem.optimize(budget=...)")
+    kind, value = parse_budget(spec)
+    return int(value)
 
 
 # --- arguments -----------------------------------------------------------------------------
