@@ -92,6 +92,16 @@ def test_predicted_peak_within_20_percent(models, name):
     assert a.peak_bytes == pytest.approx(compiled, rel=0.20)
 
 
+def test_predicted_peak_zoo_resnet_train_step():
+    """The zoo's residual network (BatchNorm, relu, skip adds), whole train step."""
+    from jaxmem import zoo
+
+    w = zoo.make("resnet", size="test")
+    a = jaxmem.analyze(w.step, *w.args)
+    compiled = measure.measure(jax.jit(w.step), *w.args).peak
+    assert a.peak_bytes == pytest.approx(compiled, rel=0.20)
+
+
 @pytest.mark.xfail(strict=True, reason="known gap: XLA:CPU stores layout copies of conv "
                    "operands and LayerNorm broadcasts that the fusion model does not predict")
 def test_predicted_peak_resnet_layernorm(models):
