@@ -263,12 +263,12 @@ def is_anchor(program: Program, vid: int) -> bool:
     return bool(getattr(node.eqn, "effects", None))
 
 
-def recompute_chain(program: Program, vid: int,
+def recompute_chain(program: Program, vid: int | Iterable[int],
                     anchor: Callable[[int], bool] | None = None) -> tuple[int, ...]:
-    """Indices of the nodes that re-create value ``vid`` from anchors, in program order."""
+    """Indices of the nodes that re-create value(s) ``vid`` from anchors, in program order."""
     anchor = anchor or functools.partial(is_anchor, program)
     seen: set[int] = set()
-    stack = [vid]
+    stack = [vid] if isinstance(vid, int) else list(vid)
     while stack:
         v = stack.pop()
         if anchor(v):

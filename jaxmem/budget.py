@@ -51,7 +51,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxmem.analysis import Analysis, Residual, liveness
+from jaxmem.analysis import Analysis, Residual, liveness, recompute_chain
 from jaxmem.costmodel import (
     OFFLOAD_PREFIX,
     PROFILES,
@@ -392,21 +392,7 @@ def greedy(model: CostModel, target: int, *, allow_offload: bool = False,
 # --- exact (MILP) -------------------------------------------------------------------------
 
 def _ancestors(model: CostModel, reads: Iterable[int]) -> set[int]:
-    prog = model.program
-    nodes: set[int] = set()
-    stack = list(reads)
-    seen: set[int] = set()
-    while stack:
-        v = stack.pop()
-        if v in seen:
-            continue
-        seen.add(v)
-        p = prog.values[v].producer
-        if p is None or v in model.fixed_anchor:
-            continue
-        nodes.add(p)
-        stack.extend(prog.nodes[p].inputs)
-    return nodes
+    return set(recompute_chain(model.program, reads, lambda v: v in model.fixed_anchor))
 
 
 def exact_size(model: CostModel) -> int:
