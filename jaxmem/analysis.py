@@ -281,6 +281,39 @@ def recompute_chain(program: Program, vid: int | Iterable[int],
     return tuple(sorted(seen))
 
 
+def replay_chain(program: Program, targets: Sequence[int], kept: Callable[[int], bool],
+                 available: Iterable[int] = ()) -> tuple[list[int], list[int]]:
+    """What re-creating ``targets`` replays, given which values are kept.
+
+    Returns ``(nodes, starts)``: the indices of the nodes to replay, in program order, and the
+    values they start from (kept values, and the program inputs or constants reached), in
+    discovery order. Values in ``available`` (re-created earlier) are neither walked nor
+    returned. The rewrite and the budget cost model both replay chains through this.
+    """
+    nodes: set[int] = set()
+    starts: dict[int, None] = {}
+    tset, done = set(targets), set(available)
+    stack = list(targets)
+    seen: set[int] = set()
+    while stack:
+        v = stack.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        if v in done:
+            continue
+        if v not in tset and kept(v):
+            starts[v] = None
+            continue
+        prod = program.values[v].producer
+        if prod is None:
+            starts[v] = None
+            continue
+        nodes.add(prod)
+        stack.extend(program.nodes[prod].inputs)
+    return sorted(nodes), list(starts)
+
+
 def find_residuals(program: Program) -> tuple[Residual, ...]:
     """Every value made outside the backward pass that a backward node reads."""
     nodes = program.nodes

@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxmem.analysis import Analysis, is_anchor, materialised
+from jaxmem.analysis import Analysis, is_anchor, materialised, replay_chain
 
 #: The checkpoint-name prefix that marks a value for offloading (see ``offload_name``).
 OFFLOAD_PREFIX = "jaxmem_offload:"
@@ -239,25 +239,8 @@ class CostModel:
         """The recompute chain of region ``i`` under (drop, off)."""
         targets = [v for v in self.regions[i].reads if v in drop]
         prog = self.program
-        nodes: set[int] = set()
-        anchors: set[int] = set()
-        seen: set[int] = set()
-        stack = list(targets)
-        tset = set(targets)
-        while stack:
-            v = stack.pop()
-            if v in seen:
-                continue
-            seen.add(v)
-            if v not in tset and self.kept(v, drop, off):
-                if prog.values[v].producer is not None:
-                    anchors.add(v)
-                continue
-            n = prog.values[v].producer
-            if n is None:
-                continue
-            nodes.add(n)
-            stack.extend(prog.nodes[n].inputs)
+        nodes, starts = replay_chain(prog, targets, lambda v: self.kept(v, drop, off))
+        anchors = [v for v in starts if prog.values[v].producer is not None]
         return RegionState(
             nodes=frozenset(nodes), anchors=frozenset(anchors),
             time=sum(self.node_time[n] for n in nodes),

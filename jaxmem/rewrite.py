@@ -24,7 +24,7 @@ import jax
 from jax import lax
 
 from jaxmem import _jax
-from jaxmem.analysis import is_anchor
+from jaxmem.analysis import is_anchor, replay_chain
 from jaxmem.program import Node, Program
 
 
@@ -71,27 +71,7 @@ class _Replay:
 
     def chain(self, targets: Sequence[int], cache: dict[int, Any]) -> tuple[list[int], list[int]]:
         """Nodes to replay for ``targets`` (program order) and the anchor values they read."""
-        nodes: set[int] = set()
-        anchors: dict[int, None] = {}
-        stack = list(targets)
-        seen: set[int] = set()
-        while stack:
-            v = stack.pop()
-            if v in seen:
-                continue
-            seen.add(v)
-            if v in cache:
-                continue
-            if v not in targets and self.kept(v):
-                anchors[v] = None
-                continue
-            prod = self.p.values[v].producer
-            if prod is None:
-                anchors[v] = None
-                continue
-            nodes.add(prod)
-            stack.extend(self.p.nodes[prod].inputs)
-        return sorted(nodes), list(anchors)
+        return replay_chain(self.p, targets, self.kept, cache)
 
     def run(self, *flat_args: Any) -> list[Any]:
         p = self.p
