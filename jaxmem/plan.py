@@ -21,6 +21,7 @@ from collections.abc import Iterable
 
 from jaxmem.analysis import Analysis, Residual, is_anchor, recompute_chain
 from jaxmem.measure import Figures, fmt_bytes
+from jaxmem.program import region_of
 
 
 class Decision(enum.Enum):
@@ -166,8 +167,8 @@ def recompute_cost(analysis: Analysis, dropped: Iterable[int]) -> float:
         need = [v for v in n.inputs if v in dropped]
         if not need:
             continue
-        if (n.phase, n.layer) != region:
-            region, done = (n.phase, n.layer), set()
+        if region_of(n) != region:
+            region, done = region_of(n), set()
         for v in need:
             for i in recompute_chain(prog, v, kept):
                 if i not in done:

@@ -109,6 +109,12 @@ class Program:
                 f"{self.flops / 1e9:.3f} GFLOP)")
 
 
+def region_of(node: Node) -> tuple[str, str]:
+    """A node's region key, (phase, layer path): the rewrite replays chains once per run of
+    backward nodes with one key, and the planner's cost model counts them the same way."""
+    return (node.phase, node.layer)
+
+
 def phase_of(stack: Any) -> Phase:
     t = _jax.transforms_of(stack)
     if "transpose" in t:

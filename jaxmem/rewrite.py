@@ -24,19 +24,16 @@ import jax
 from jax import lax
 
 from jaxmem import _jax
-from jaxmem.analysis import is_anchor, replay_chain
-from jaxmem.program import Node, Program
-
-
-def _region(node: Node) -> tuple[str, str]:
-    return (node.phase, node.layer)
+from jaxmem.analysis import is_anchor, recompute_chain, replay_chain
+from jaxmem.program import Node, Program, region_of
 
 
 class _Replay:
     def __init__(self, program: Program, recompute: frozenset[int], offload: frozenset[int],
                  residuals: frozenset[int], prefetch: bool = True,
-                 persist: frozenset[int] = frozenset()) -> None:
+                 persist: frozenset[int] = frozenset(), pin: frozenset[int] = frozenset()) -> None:
         self.p = program
+        self.pin = pin
         self.recompute = recompute
         self.offload = offload
         self.persist = persist
@@ -51,8 +48,8 @@ class _Replay:
             for n in program.nodes:
                 if n.phase != "backward":
                     continue
-                if _region(n) != key:
-                    key = _region(n)
+                if region_of(n) != key:
+                    key = region_of(n)
                     starts.append(n.index)
                     reads.append({})
                 self.run_of[n.index] = len(starts) - 1
@@ -92,8 +89,8 @@ class _Replay:
                 self.prefetch(n, env, host, fetched, last_backward)
             needs = [v for v in n.inputs if v in self.recompute or v in self.offload]
             if n.phase == "backward" and needs:
-                if _region(n) != region:
-                    region, cache = _region(n), dict(kept_on)
+                if region_of(n) != region:
+                    region, cache = region_of(n), dict(kept_on)
                 run = self.run_of.get(n.index)
                 for v in needs:
                     if (run, v) in fetched and v not in cache:
@@ -110,6 +107,9 @@ class _Replay:
                 ins = [env[v] for v in n.inputs]
             with _jax.user_context(n.eqn.source_info.traceback, n.stack):
                 outs = _jax.bind(n.eqn, *ins)
+            if n.phase == "forward" and any(o in self.pin for o in n.outputs):
+                outs = [lax.optimization_barrier(x) if o in self.pin else x
+                        for o, x in zip(n.outputs, outs, strict=True)]
             for o, x in zip(n.outputs, outs, strict=True):
                 env[o] = x
                 if o in self.offload:
@@ -170,10 +170,43 @@ class _Replay:
             cache[v] = local[v]
 
 
+def narrow_residuals(program: Program, kept: frozenset[int]) -> frozenset[int]:
+    """Kept forward residuals that XLA would store as a wider operand unless pinned.
+
+    A narrow value (a dropout mask ``lt(uniform, p)``: 1 byte per element) made by a fusible
+    op from a wider operand that is itself made from the program's inputs alone (random bits
+    from a key) : XLA fuses the cheap op into every reader and keeps the wide operand alive for
+    the backward pass. Narrow values of activations (a ReLU mask of a conv output) are left
+    alone: XLA re-derives those from activations it keeps anyway.
+    """
+    out = set()
+    for v in kept:
+        p = program.values[v].producer
+        if p is None or is_anchor(program, v):
+            continue
+        n = program.nodes[p]
+        if n.phase != "forward":
+            continue
+        wide = [u for u in n.inputs if not program.values[u].is_const
+                and program.values[u].nbytes > program.values[v].nbytes]
+        if wide and all(_from_inputs_only(program, u) for u in wide):
+            out.add(v)
+    return frozenset(out)
+
+
+def _from_inputs_only(program: Program, v: int) -> bool:
+    """Whether ``v``'s fusible chain starts only from program inputs and constants."""
+    chain = recompute_chain(program, v)
+    made = {o for i in chain for o in program.nodes[i].outputs}
+    starts = {u for i in chain for u in program.nodes[i].inputs if u not in made}
+    return bool(chain) and all(program.values[u].producer is None for u in starts)
+
+
 def rewrite(program: Program, recompute: frozenset[int] = frozenset(),
             offload: frozenset[int] = frozenset(),
             residuals: frozenset[int] | None = None, *, prefetch: bool = True,
-            persist: frozenset[int] = frozenset()) -> Callable[..., list[Any]]:
+            persist: frozenset[int] = frozenset(),
+            pin_narrow: bool = True) -> Callable[..., list[Any]]:
     """A function of the program's flat inputs that recomputes / offloads as told.
 
     Args:
@@ -189,6 +222,10 @@ def rewrite(program: Program, recompute: frozenset[int] = frozenset(),
       persist: recomputed value ids whose re-created copies are kept for the rest of the
         backward pass (segment recompute: a segment is re-run once, not once per backward
         region that reads it). Default: none; every region re-creates what it reads.
+      pin_narrow: materialise kept residuals that are narrower than their producer's widest
+        input (a dropout mask ``lt(bits, p)``: 1 byte from 4) behind a barrier where they are
+        made. Otherwise XLA fuses the cheap producer into every reader and keeps the wide
+        input alive for the backward pass instead.
     """
     if residuals is None:
         from jaxmem.analysis import find_residuals
@@ -198,6 +235,9 @@ def rewrite(program: Program, recompute: frozenset[int] = frozenset(),
     if bad:
         raise ValueError(f"values {bad} are program inputs or constants: nothing to recompute "
                          "or offload")
+    pin = narrow_residuals(program, frozenset(residuals) - frozenset(recompute)
+                           - frozenset(offload)) if pin_narrow else frozenset()
     replay = _Replay(program, frozenset(recompute), frozenset(offload), frozenset(residuals),
-                     prefetch=prefetch, persist=frozenset(persist) & frozenset(recompute))
+                     prefetch=prefetch, persist=frozenset(persist) & frozenset(recompute),
+                     pin=pin)
     return replay.run

@@ -276,8 +276,8 @@ def _close_to_scale(ref, out, tol=1e-6):
         assert float(np.max(np.abs(a - b), initial=0.0)) <= tol * scale + 1e-7
 
 
-@pytest.mark.parametrize("name", ["mlp", "cnn_bn", "resnet", "densenet", "transformer",
-                                  "transformer_scan", "nnx_mlp"])
+@pytest.mark.parametrize("name", ["mlp", "cnn_bn", "resnet", "resnet_bottleneck", "densenet",
+                                  "unet", "transformer", "transformer_scan", "nnx_mlp"])
 def test_every_zoo_model_same_results(name):
     """Loss and gradients equal plain jit's on every zoo model; for the SGD models the whole
     step (new params, momentum, batch stats, RNG) does too. Adam's first step is close to
@@ -290,7 +290,7 @@ def test_every_zoo_model_same_results(name):
     opt = jaxmem.optimize(w.loss_and_grads, donate_argnums=(), verify=False)
     _close_to_scale(ref, opt(*w.args))
     assert opt.plan(*w.args).of(jaxmem.Decision.RECOMPUTE)
-    if name in ("cnn_bn", "resnet", "densenet"):
+    if name in ("cnn_bn", "resnet", "resnet_bottleneck", "densenet"):
         step = jaxmem.optimize(w.step, donate_argnums=(), verify=False)
         _close_to_scale(jax.jit(w.step)(*w.args), step(*w.args))
 
@@ -305,3 +305,34 @@ def test_verify_keeps_the_plain_step_when_no_plan_is_smaller(workloads):
     assert plan.compiled.peak == plan.baseline.peak
     assert any("not below the plain step" in n for n in plan.notes)
     assert_same(jax.jit(step)(state, x, y), opt(state, x, y))
+
+
+def test_dropout_masks_are_kept_narrow():
+    """A kept dropout mask is 1 byte per element; unpinned, XLA keeps its 4-byte uniform."""
+    from jaxmem import plan as planning
+    from jaxmem import zoo
+    from jaxmem.analysis import from_program
+    from jaxmem.program import trace
+    from jaxmem.rewrite import narrow_residuals, rewrite
+
+    w = zoo.make("transformer", size="test")
+    prog = trace(w.step, *w.args)
+    analysis = from_program(prog)
+    plan = planning.plan_auto(analysis, max_layer_fraction=0.05)  # masks kept: RNG is costly
+    residuals = frozenset(r.value for r in analysis.residuals)
+    pins = narrow_residuals(prog, residuals - plan.recompute)
+    assert pins and {prog.nodes[prog.values[v].producer].primitive for v in pins} == {"lt"}
+    # ReLU-style masks of activations are not pinned (XLA re-derives them from kept values).
+    resnet = zoo.make("resnet", size="test")
+    rprog = trace(resnet.step, *resnet.args)
+    rres = frozenset(r.value for r in from_program(rprog).residuals)
+    assert not narrow_residuals(rprog, rres)
+
+    flat = jax.tree.leaves(w.args)
+    ref = jax.jit(w.step)(*w.args)
+    figs = {}
+    for pin in (True, False):
+        fn = rewrite(prog, plan.recompute, plan.offload, residuals, pin_narrow=pin)
+        assert_same(jax.tree.leaves(ref), jax.jit(fn)(*flat))
+        figs[pin] = measure.figures(measure.compile(jax.jit(fn).lower(*flat)))
+    assert figs[True].temp < figs[False].temp, figs
