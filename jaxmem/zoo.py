@@ -17,8 +17,13 @@ Models:
   head; sgd with momentum.
 - ``resnet``: CIFAR-style ResNet with basic blocks (BN, relu, skip adds, strided 1×1
   projection); sgd with momentum.
+- ``resnet_bottleneck``: the same ResNet with bottleneck blocks (1×1 reduce → 3×3 → 1×1
+  expand to 4× the width, BN, relu, skip adds, strided 1×1 projection); sgd with momentum.
 - ``densenet``: DenseNet-style net (feature maps concatenated), BN-relu-conv layers and
   transitions with average pooling; sgd with momentum.
+- ``unet``: U-Net for per-pixel classification (Conv-BN-relu ×2 stages, max pooling down,
+  ConvTranspose up, encoder features concatenated in the decoder, 1×1 conv head), per-pixel
+  cross-entropy; adam.
 - ``transformer``: GPT-style decoder (LayerNorm, causal attention, gelu MLP, dropout, residual
   adds), adamw, next-token cross-entropy.
 - ``transformer_scan``: the same blocks stacked with ``nn.scan`` (the layers inside one
@@ -137,11 +142,19 @@ _CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
         "test": dict(batch=4, image=16, channels=(8, 16), blocks_per_stage=1, classes=10),
         "bench": dict(batch=32, image=32, channels=(16, 32, 64), blocks_per_stage=2, classes=10),
     },
+    "resnet_bottleneck": {
+        "test": dict(batch=4, image=16, channels=(8, 16), blocks_per_stage=1, classes=10),
+        "bench": dict(batch=16, image=32, channels=(16, 32, 64), blocks_per_stage=2, classes=10),
+    },
     "densenet": {
         "test": dict(batch=4, image=16, growth=4, layers_per_block=(2, 2), stem=8, classes=10),
         "bench": dict(
             batch=32, image=32, growth=12, layers_per_block=(3, 3, 3), stem=24, classes=10
         ),
+    },
+    "unet": {
+        "test": dict(batch=2, image=16, channels=(8, 16), classes=4),
+        "bench": dict(batch=8, image=64, channels=(16, 32, 64, 128), classes=4),
     },
     "transformer": {
         "test": dict(batch=2, seq=16, vocab=64, d_model=32, heads=2, layers=2, dropout=0.1),
@@ -163,7 +176,9 @@ _DESCRIPTIONS: dict[str, str] = {
     "mlp": "residual MLP: Dense→gelu→Dense→LayerNorm + skip, per block; adam",
     "cnn_bn": "CNN: Conv→BatchNorm→relu, max/avg pooling, Dense head; sgd+momentum",
     "resnet": "CIFAR ResNet: basic blocks (BN, relu, skip add, strided 1x1 proj); sgd+momentum",
+    "resnet_bottleneck": "CIFAR ResNet: bottleneck blocks (1x1→3x3→1x1, BN, relu, skip add); sgd",
     "densenet": "DenseNet: BN→relu→conv3x3 layers concatenated, 1x1+avgpool transitions; sgd",
+    "unet": "U-Net segmentation: conv-BN-relu, maxpool, convT up, skip concat; per-pixel CE; adam",
     "transformer": "GPT decoder: LN, causal attention, gelu MLP, dropout, residuals; adamw",
     "transformer_scan": "GPT decoder, layers stacked with nn.scan (one lax.scan); adamw",
     "nnx_mlp": "flax nnx residual MLP with dropout, nnx.split/merge in a pure step; adam",
@@ -290,6 +305,18 @@ def _image_data(key: jax.Array, batch: int, image: int, classes: int) -> Batch:
     kx, ky = jax.random.split(key)
     x = jax.random.normal(kx, (batch, image, image, 3), jnp.float32)  # NHWC, CIFAR-shaped
     return {"x": x, "y": _teacher_labels(ky, x, classes)}
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))  # one compile, not one per op
+def _segmentation_data(key: jax.Array, batch: int, image: int, classes: int) -> Batch:
+    """Images and per-pixel labels from a fixed random 5x5 conv teacher (argmax over classes)."""
+    kx, ky = jax.random.split(key)
+    x = jax.random.normal(kx, (batch, image, image, 3), jnp.float32)  # NHWC
+    w = jax.random.normal(ky, (5, 5, 3, classes), jnp.float32)
+    scores = jax.lax.conv_general_dilated(
+        x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+    return {"x": x, "y": jnp.argmax(scores, axis=-1).astype(jnp.int32)}  # (batch, image, image)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))  # one compile, not one per op
@@ -517,17 +544,48 @@ class BasicBlock(nn.Module):
         return nn.relu(x + y)
 
 
+class BottleneckBlock(nn.Module):
+    """ResNet bottleneck block: 1x1 reduce, 3x3 (strided), 1x1 expand to ``expansion * channels``,
+    each conv followed by BN (relu after the first two), plus a (strided 1x1 conv-BN) skip, relu.
+    """
+
+    channels: int
+    strides: int = 1
+    expansion: int = 4
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        bn = functools.partial(nn.BatchNorm, use_running_average=False, momentum=0.9)
+        s = (self.strides, self.strides)
+        out = self.channels * self.expansion
+        y = nn.Conv(self.channels, (1, 1), use_bias=False, name="conv1")(x)
+        y = nn.relu(bn(name="bn1")(y))
+        y = nn.Conv(self.channels, (3, 3), s, use_bias=False, name="conv2")(y)
+        y = nn.relu(bn(name="bn2")(y))
+        y = nn.Conv(out, (1, 1), use_bias=False, name="conv3")(y)
+        y = bn(name="bn3", scale_init=nn.initializers.zeros)(y)
+        if x.shape != y.shape:
+            x = nn.Conv(out, (1, 1), s, use_bias=False, name="proj")(x)
+            x = bn(name="proj_bn")(x)
+        return nn.relu(x + y)
+
+
 class ResNet(nn.Module):
-    """CIFAR-style ResNet: 3x3 stem, stages of :class:`BasicBlock` s, global pool, Dense."""
+    """CIFAR-style ResNet: 3x3 stem, stages of ``block`` s, global pool, Dense.
+
+    ``block`` is :class:`BasicBlock` (``channels[s]`` wide) or :class:`BottleneckBlock`
+    (``channels[s]`` inside, ``4 * channels[s]`` out); the stem is ``channels[0]`` wide.
+    """
 
     channels: Sequence[int]
     blocks_per_stage: int
     classes: int
     policy: Policy | None = None
+    block: type[nn.Module] = BasicBlock
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        block = _maybe_remat(BasicBlock, self.policy)
+        block = _maybe_remat(self.block, self.policy)
         x = nn.Conv(self.channels[0], (3, 3), use_bias=False, name="stem")(x)
         x = nn.relu(nn.BatchNorm(use_running_average=False, momentum=0.9, name="stem_bn")(x))
         for s, c in enumerate(self.channels):
@@ -539,11 +597,22 @@ class ResNet(nn.Module):
 
 
 def _build_resnet(
-    *, key, rng, seed, policy, abstract, batch, image, channels, blocks_per_stage, classes
+    *,
+    key,
+    rng,
+    seed,
+    policy,
+    abstract,
+    batch,
+    image,
+    channels,
+    blocks_per_stage,
+    classes,
+    block=BasicBlock,
 ):
     kd, km = jax.random.split(key)
     data = _image_data(kd, batch, image, classes)
-    model = ResNet(tuple(channels), blocks_per_stage, classes, policy)
+    model = ResNet(tuple(channels), blocks_per_stage, classes, policy, block)
     step, grads, state = _linen_train_step(
         model, _sgd(), km, rng, data, batch_norm=True, abstract=abstract
     )
@@ -612,6 +681,73 @@ def _build_densenet(
     )
     n_blocks = sum(layers_per_block) + len(layers_per_block) - 1
     return step, grads, state, data, n_blocks
+
+
+# --------------------------------------------------------------------------------------------
+# unet
+# --------------------------------------------------------------------------------------------
+
+
+class DoubleConv(nn.Module):
+    """Two ``relu(BatchNorm(Conv3x3(x)))``: one U-Net encoder, bottleneck or decoder stage."""
+
+    channels: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for i in range(2):
+            x = nn.Conv(self.channels, (3, 3), use_bias=False, name=f"conv{i}")(x)
+            x = nn.BatchNorm(use_running_average=False, momentum=0.9, name=f"bn{i}")(x)
+            x = nn.relu(x)
+        return x
+
+
+class UpBlock(nn.Module):
+    """U-Net decoder stage: 2x2 stride-2 ConvTranspose, skip concatenated, :class:`DoubleConv`."""
+
+    channels: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array, skip: jax.Array) -> jax.Array:
+        x = nn.ConvTranspose(self.channels, (2, 2), strides=(2, 2), name="up")(x)
+        x = jnp.concatenate([skip, x], axis=-1)
+        return DoubleConv(self.channels, name="conv")(x)
+
+
+class UNet(nn.Module):
+    """U-Net: :class:`DoubleConv` encoder stages with 2x2 max pooling, a bottleneck stage,
+    :class:`UpBlock` decoder stages concatenating the matching encoder features, 1x1 conv head
+    giving per-pixel class logits. ``channels[-1]`` is the bottleneck's width."""
+
+    channels: Sequence[int]
+    classes: int
+    policy: Policy | None = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        down = _maybe_remat(DoubleConv, self.policy)
+        up = _maybe_remat(UpBlock, self.policy)
+        skips = []
+        for s, c in enumerate(self.channels[:-1]):
+            x = down(c, name=f"down{s}")(x)
+            skips.append(x)
+            x = nn.max_pool(x, (2, 2), strides=(2, 2))
+        x = down(self.channels[-1], name="bottleneck")(x)
+        for s in reversed(range(len(self.channels) - 1)):
+            x = up(self.channels[s], name=f"up{s}")(x, skips[s])
+        return nn.Conv(self.classes, (1, 1), name="head")(x)
+
+
+def _build_unet(*, key, rng, seed, policy, abstract, batch, image, channels, classes):
+    if image % 2 ** (len(channels) - 1):
+        raise ValueError(f"unet: image {image} is not divisible by 2**{len(channels) - 1}")
+    kd, km = jax.random.split(key)
+    data = _segmentation_data(kd, batch, image, classes)
+    model = UNet(tuple(channels), classes, policy)
+    step, grads, state = _linen_train_step(
+        model, optax.adam(1e-3), km, rng, data, batch_norm=True, abstract=abstract
+    )
+    return step, grads, state, data, 2 * len(channels) - 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -812,7 +948,9 @@ _BUILDERS: dict[str, Callable[..., tuple[StepFn, GradFn, State, Batch, int]]] = 
     "mlp": _build_mlp,
     "cnn_bn": _build_cnn_bn,
     "resnet": _build_resnet,
+    "resnet_bottleneck": functools.partial(_build_resnet, block=BottleneckBlock),
     "densenet": _build_densenet,
+    "unet": _build_unet,
     "transformer": functools.partial(_build_gpt, scan=False),
     "transformer_scan": functools.partial(_build_gpt, scan=True),
     "nnx_mlp": _build_nnx_mlp,

@@ -68,7 +68,9 @@ def test_names_are_the_documented_models():
         "mlp",
         "cnn_bn",
         "resnet",
+        "resnet_bottleneck",
         "densenet",
+        "unet",
         "transformer",
         "transformer_scan",
         "nnx_mlp",
@@ -124,7 +126,7 @@ def test_loss_decreases_over_three_steps(name):
     assert losses[0] > losses[1] > losses[2], losses
 
 
-@pytest.mark.parametrize("name", ["cnn_bn", "resnet", "densenet"])
+@pytest.mark.parametrize("name", ["cnn_bn", "resnet", "resnet_bottleneck", "densenet", "unet"])
 def test_batch_stats_are_updated_by_the_step(name):
     w = _workload(name)
     (new_state, _), _ = _plain(name)
@@ -147,14 +149,35 @@ def test_loss_and_grads_is_the_steps_own_loss(name):
     assert jax.tree.structure(grads) == jax.tree.structure(_workload(name).state["params"])
 
 
+def test_unet_labels_every_pixel():
+    w = _workload("unet")
+    b, h, wd, _ = w.batch["x"].shape
+    assert w.batch["y"].shape == (b, h, wd) and w.batch["y"].dtype == jnp.int32
+    assert len(np.unique(np.asarray(w.batch["y"]))) > 1, "a constant segmentation map"
+    ups = [k for k in w.state["params"] if k.startswith("up")]
+    assert len(ups) == len(zoo.config("unet")["channels"]) - 1
+
+
+def test_resnet_bottleneck_expands_the_width():
+    params = _workload("resnet_bottleneck").state["params"]
+    c = zoo.config("resnet_bottleneck")["channels"]
+    block = params[f"stage{len(c) - 1}_block0"]
+    assert block["conv1"]["kernel"].shape[:2] == (1, 1)
+    assert block["conv2"]["kernel"].shape[:2] == (3, 3)
+    assert block["conv3"]["kernel"].shape == (1, 1, c[-1], 4 * c[-1])
+    assert params["head"]["kernel"].shape[0] == 4 * c[-1]
+
+
 # Each model under one policy and each policy on several kinds of model (compiles are the
-# suite's cost: the 14-pair product doubles it for no new kind of program).
+# suite's cost: the 18-pair product doubles it for no new kind of program).
 REMAT_CASES = [
     ("mlp", "dots_saveable"),
     ("mlp", "nothing_saveable"),
     ("cnn_bn", "nothing_saveable"),
     ("resnet", "dots_saveable"),
+    ("resnet_bottleneck", "nothing_saveable"),
     ("densenet", "nothing_saveable"),
+    ("unet", "dots_saveable"),
     ("transformer", "dots_saveable"),
     ("transformer_scan", "nothing_saveable"),
     ("nnx_mlp", "dots_saveable"),
