@@ -61,7 +61,15 @@ from jaxmem.costmodel import (
     offload_tagged,
 )
 from jaxmem.measure import Figures, fmt_bytes
-from jaxmem.plan import Choice, Decision, Plan, plan_none, recompute_cost
+from jaxmem.plan import (
+    Choice,
+    Decision,
+    Plan,
+    block_depths,
+    plan_blocks,
+    plan_none,
+    recompute_cost,
+)
 
 _DEBUG = bool(__import__("os").environ.get("JAXMEM_BUDGET_DEBUG"))
 
@@ -652,7 +660,8 @@ def host_correction(model: CostModel, plan: Plan) -> int:
     from jaxmem.rewrite import rewrite
 
     prog = model.program
-    fn = rewrite(prog, plan.recompute, plan.offload, model.residual_ids)
+    fn = rewrite(prog, plan.recompute, plan.offload, model.residual_ids,
+                 region_depth=plan.region_depth)
     avals = [jax.ShapeDtypeStruct(prog.values[i].shape, prog.values[i].dtype)
              for i in prog.inputs]
     closed = jax.make_jaxpr(fn)(*avals)
@@ -806,6 +815,27 @@ def plan_with_budget(analysis: Analysis, budget: Any, *, auto: Plan | None = Non
         if new_target == target and fits_model:
             break
         target = new_target
+    if (best is None or best[5] == "segments") and compile_plan is not None and not forced:
+        # Below greedy's reach: jax.checkpoint(nothing_saveable)-style block plans (one
+        # forward pass of extra FLOPs) before giving up, and instead of segments if cheaper.
+        for depth in block_depths(model.program):
+            blk = plan_blocks(analysis, depth)
+            fig = compile_plan(blk)
+            compiles += 1
+            lowest = min(lowest, fig.peak)
+            if _DEBUG:
+                print(f"jaxmem budget loop (blocks, depth {depth}): compiled "
+                      f"{fmt_bytes(fig.peak)}")
+            seg_flops = best[3].flops if best is not None and best[3] is not None else None
+            if fig.peak <= requested and (seg_flops is None or fig.flops < seg_flops):
+                note = (f"planned as blocks (depth {depth}) in "
+                        f"{time.perf_counter() - t_start:.1f} s with {compiles} compiles: "
+                        f"values crossing blocks kept, each block re-run once in the backward "
+                        f"pass; compiled peak {fmt_bytes(fig.peak)}, predicted recompute "
+                        f"{100 * blk.recompute_flops / max(blk.baseline_flops, 1):.1f}% FLOPs")
+                return dataclasses.replace(
+                    blk, strategy="budget:blocks", budget=requested,
+                    notes=(*notes, note)).with_figures(fig, base_fig)
     if best is None:
         raise BudgetError(
             f"no plan fits the budget {fmt_bytes(requested)}: the lowest peak jaxmem reached "

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 
 from jaxmem.analysis import Analysis, Residual, is_anchor, recompute_chain
 from jaxmem.measure import Figures, fmt_bytes
-from jaxmem.program import region_of
+from jaxmem.program import Program, region_of
 
 
 class Decision(enum.Enum):
@@ -56,6 +56,11 @@ class Plan:
     compiled: Figures | None = None
     baseline: Figures | None = None
     notes: tuple[str, ...] = ()
+    # Block plans (:func:`plan_blocks`): forward values that are not residuals but that the
+    # rewrite also re-creates (heavy outputs inside a block), and the depth of the layer
+    # paths that makes one backward region per block.
+    drop_anchors: frozenset[int] = frozenset()
+    region_depth: int | None = None
 
     def of(self, decision: Decision) -> tuple[Choice, ...]:
         return tuple(c for c in self.choices if c.decision is decision)
@@ -63,7 +68,8 @@ class Plan:
     @property
     def recompute(self) -> frozenset[int]:
         """Value ids the rewrite re-creates in the backward pass."""
-        return frozenset(c.residual.value for c in self.of(Decision.RECOMPUTE))
+        return frozenset(c.residual.value for c in self.of(Decision.RECOMPUTE)) | \
+            self.drop_anchors
 
     @property
     def offload(self) -> frozenset[int]:
@@ -146,7 +152,8 @@ def chain_flops(analysis: Analysis, residuals: Iterable[Residual]) -> float:
     return float(sum(analysis.program.nodes[i].flops for i in nodes))
 
 
-def recompute_cost(analysis: Analysis, dropped: Iterable[int]) -> float:
+def recompute_cost(analysis: Analysis, dropped: Iterable[int],
+                   region_depth: int | None = None) -> float:
     """FLOPs the rewrite spends re-creating ``dropped`` values, exactly as it replays them.
 
     Chains start from kept values (inputs, heavy outputs, residuals not dropped), so they
@@ -167,8 +174,8 @@ def recompute_cost(analysis: Analysis, dropped: Iterable[int]) -> float:
         need = [v for v in n.inputs if v in dropped]
         if not need:
             continue
-        if region_of(n) != region:
-            region, done = region_of(n), set()
+        if region_of(n, region_depth) != region:
+            region, done = region_of(n, region_depth), set()
         for v in need:
             for i in recompute_chain(prog, v, kept):
                 if i not in done:
@@ -300,6 +307,75 @@ def plan_auto(analysis: Analysis, *, max_recompute_fraction: float = 0.05,
     return Plan(choices=tuple(choices), strategy="auto",
                 recompute_flops=recompute_cost(analysis, candidates),
                 baseline_flops=prog.flops, notes=notes)
+
+
+def block_boundaries(program: Program, depth: int) -> frozenset[int]:
+    """Forward values made in one block and read in another.
+
+    A block is a layer path cut to ``depth`` parts (``"GPT/block3/attn"`` at depth 2 is
+    ``"GPT/block3"``); top-level equations form one block of their own.
+    """
+    def block(layer: str) -> str:
+        return "/".join(layer.split("/")[:depth])
+
+    out: set[int] = set()
+    for n in program.nodes:
+        if n.phase != "forward":
+            continue
+        here = block(n.layer)
+        for v in n.inputs:
+            p = program.values[v].producer
+            if p is not None and program.nodes[p].phase == "forward" and \
+                    block(program.nodes[p].layer) != here:
+                out.add(v)
+    return frozenset(out)
+
+
+def block_depths(program: Program) -> tuple[int, ...]:
+    """Layer-path depths that split the forward pass into at least three blocks with heavy
+    (matmul/convolution) work, shallowest first."""
+    deepest = max((len(n.layer.split("/")) for n in program.nodes if n.layer), default=0)
+    out = []
+    for d in range(1, deepest + 1):
+        blocks = {"/".join(n.layer.split("/")[:d]) for n in program.nodes
+                  if n.phase == "forward" and n.kind == "heavy"}
+        if len(blocks) >= 3:
+            out.append(d)
+    return tuple(out)
+
+
+def plan_blocks(analysis: Analysis, depth: int) -> Plan:
+    """``jax.checkpoint(policy=nothing_saveable)`` around every block, as a plan.
+
+    Keeps only the values that cross block boundaries at ``depth`` (and arguments), and
+    re-creates everything else, matmul and convolution outputs included, once per block in
+    the backward pass (one backward region per block). The low-memory end of what the
+    budget planner can reach without segments: about one extra forward pass of FLOPs.
+    """
+    prog = analysis.program
+    boundary = block_boundaries(prog, depth)
+    drop: set[int] = set()
+    for v in prog.values:
+        if v.producer is None or v.nbytes == 0 or v.id in boundary:
+            continue
+        node = prog.nodes[v.producer]
+        if node.phase == "backward" or node.kind in ("control", "unknown") or \
+                getattr(node.eqn, "effects", None):
+            continue
+        drop.add(v.id)
+    residual_ids = {r.value for r in analysis.residuals}
+    choices = tuple(
+        Choice(r, Decision.RECOMPUTE, f"inside a block (depth {depth}): re-created with it")
+        if r.value in drop and r.recomputable else
+        Choice(r, Decision.SAVE, f"crosses a block boundary (depth {depth}): kept"
+               if r.value in boundary else "kept")
+        for r in analysis.residuals)
+    dropped = frozenset(v for v in drop if v in residual_ids and any(
+        c.residual.value == v and c.decision is Decision.RECOMPUTE for c in choices))
+    anchors = frozenset(drop - residual_ids)
+    return Plan(choices=choices, strategy=f"blocks(depth={depth})",
+                recompute_flops=recompute_cost(analysis, dropped | anchors, depth),
+                baseline_flops=prog.flops, drop_anchors=anchors, region_depth=depth)
 
 
 def plan_none(analysis: Analysis) -> Plan:

@@ -109,10 +109,13 @@ class Program:
                 f"{self.flops / 1e9:.3f} GFLOP)")
 
 
-def region_of(node: Node) -> tuple[str, str]:
-    """A node's region key, (phase, layer path): the rewrite replays chains once per run of
-    backward nodes with one key, and the planner's cost model counts them the same way."""
-    return (node.phase, node.layer)
+def region_of(node: Node, depth: int | None = None) -> tuple[str, str]:
+    """A node's region key, (phase, layer path cut to ``depth`` parts): the rewrite replays
+    chains once per run of backward nodes with one key, and the planner's cost model counts
+    them the same way."""
+    if depth is None:
+        return (node.phase, node.layer)
+    return (node.phase, "/".join(node.layer.split("/")[:depth]))
 
 
 def phase_of(stack: Any) -> Phase:

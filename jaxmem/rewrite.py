@@ -31,8 +31,10 @@ from jaxmem.program import Node, Program, region_of
 class _Replay:
     def __init__(self, program: Program, recompute: frozenset[int], offload: frozenset[int],
                  residuals: frozenset[int], prefetch: bool = True,
-                 persist: frozenset[int] = frozenset(), pin: frozenset[int] = frozenset()) -> None:
+                 persist: frozenset[int] = frozenset(), pin: frozenset[int] = frozenset(),
+                 region_depth: int | None = None) -> None:
         self.p = program
+        self.depth = region_depth
         self.pin = pin
         self.recompute = recompute
         self.offload = offload
@@ -48,8 +50,8 @@ class _Replay:
             for n in program.nodes:
                 if n.phase != "backward":
                     continue
-                if region_of(n) != key:
-                    key = region_of(n)
+                if region_of(n, self.depth) != key:
+                    key = region_of(n, self.depth)
                     starts.append(n.index)
                     reads.append({})
                 self.run_of[n.index] = len(starts) - 1
@@ -89,8 +91,8 @@ class _Replay:
                 self.prefetch(n, env, host, fetched, last_backward)
             needs = [v for v in n.inputs if v in self.recompute or v in self.offload]
             if n.phase == "backward" and needs:
-                if region_of(n) != region:
-                    region, cache = region_of(n), dict(kept_on)
+                if region_of(n, self.depth) != region:
+                    region, cache = region_of(n, self.depth), dict(kept_on)
                 run = self.run_of.get(n.index)
                 for v in needs:
                     if (run, v) in fetched and v not in cache:
@@ -164,7 +166,9 @@ class _Replay:
                 outs = _jax.bind(n.eqn, *ins)
             for o, x in zip(n.outputs, outs, strict=True):
                 local[o] = x
-                if o in self.persist:
+                # Block regions re-run a block once: later readers in the region reuse
+                # every value of the replayed chain, not only the targets.
+                if o in self.persist or self.depth is not None:
                     cache[o] = x
         for v in redo:
             cache[v] = local[v]
@@ -206,7 +210,7 @@ def rewrite(program: Program, recompute: frozenset[int] = frozenset(),
             offload: frozenset[int] = frozenset(),
             residuals: frozenset[int] | None = None, *, prefetch: bool = True,
             persist: frozenset[int] = frozenset(),
-            pin_narrow: bool = True) -> Callable[..., list[Any]]:
+            pin_narrow: bool = True, region_depth: int | None = None) -> Callable[..., list[Any]]:
     """A function of the program's flat inputs that recomputes / offloads as told.
 
     Args:
@@ -226,6 +230,8 @@ def rewrite(program: Program, recompute: frozenset[int] = frozenset(),
         input (a dropout mask ``lt(bits, p)``: 1 byte from 4) behind a barrier where they are
         made. Otherwise XLA fuses the cheap producer into every reader and keeps the wide
         input alive for the backward pass instead.
+      region_depth: cut layer paths to this many parts to form backward regions (one region
+        per block, as :func:`jaxmem.plan.plan_blocks` needs). Default: one per layer path.
     """
     if residuals is None:
         from jaxmem.analysis import find_residuals
@@ -239,5 +245,5 @@ def rewrite(program: Program, recompute: frozenset[int] = frozenset(),
                            - frozenset(offload)) if pin_narrow else frozenset()
     replay = _Replay(program, frozenset(recompute), frozenset(offload), frozenset(residuals),
                      prefetch=prefetch, persist=frozenset(persist) & frozenset(recompute),
-                     pin=pin)
+                     pin=pin, region_depth=region_depth)
     return replay.run
