@@ -263,6 +263,31 @@ def is_anchor(program: Program, vid: int) -> bool:
     return bool(getattr(node.eqn, "effects", None))
 
 
+def storable(program: Program, residual_ids: Iterable[int]) -> tuple[frozenset[int],
+                                                                   frozenset[int]]:
+    """Forward values the rewrite keeps unless told otherwise: ``(droppable, fixed)``.
+
+    Residuals and chain anchors made outside the backward pass. ``fixed`` are those a plan
+    may not drop: outputs of control-flow units, unknown primitives and effectful equations.
+    """
+    residual_ids = frozenset(residual_ids)
+    cand: set[int] = set()
+    fixed: set[int] = set()
+    for v in program.values:
+        if v.producer is None or v.nbytes == 0:
+            continue
+        node = program.nodes[v.producer]
+        if node.phase == "backward":
+            continue
+        if not (v.id in residual_ids or is_anchor(program, v.id)):
+            continue
+        if node.kind in ("control", "unknown") or getattr(node.eqn, "effects", None):
+            fixed.add(v.id)
+        else:
+            cand.add(v.id)
+    return frozenset(cand), frozenset(fixed)
+
+
 def recompute_chain(program: Program, vid: int | Iterable[int],
                     anchor: Callable[[int], bool] | None = None) -> tuple[int, ...]:
     """Indices of the nodes that re-create value(s) ``vid`` from anchors, in program order."""

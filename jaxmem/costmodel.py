@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxmem.analysis import Analysis, is_anchor, materialised, replay_chain
+from jaxmem.analysis import Analysis, materialised, replay_chain, storable
 
 #: The checkpoint-name prefix that marks a value for offloading (see ``offload_name``).
 OFFLOAD_PREFIX = "jaxmem_offload:"
@@ -155,24 +155,11 @@ class CostModel:
         # Values the rewrite could keep and that the planner may drop: forward (or "other")
         # residual activations and anchors, produced by nodes without effects that are not
         # control-flow units or unknown primitives (those are always kept).
-        cand = set()
-        self.fixed_anchor: set[int] = set()
-        for v in prog.values:
-            if v.producer is None or v.nbytes == 0:
-                continue
-            node = prog.nodes[v.producer]
-            if node.phase == "backward":
-                continue
-            if not (v.id in self.residual_ids or is_anchor(prog, v.id)):
-                continue
-            if node.kind in ("control", "unknown") or getattr(node.eqn, "effects", None):
-                self.fixed_anchor.add(v.id)
-                continue
-            cand.add(v.id)
-        self.candidates = frozenset(cand)
+        self.candidates, fixed = storable(prog, self.residual_ids)
+        self.fixed_anchor: set[int] = set(fixed)
         # XLA keeps forward values that cross into the backward pass (fusion does not
         # duplicate across the barrier-kept phases), so a stored value costs its full size.
-        self.bytes = {v: prog.values[v].nbytes for v in cand | self.fixed_anchor}
+        self.bytes = {v: prog.values[v].nbytes for v in self.candidates | self.fixed_anchor}
         # node times and materialised output bytes (the recompute working set)
         p = self.profile
         self.node_out = [sum(prog.values[o].nbytes for o in n.outputs if self.mat[o])

@@ -19,7 +19,7 @@ import enum
 from collections import defaultdict
 from collections.abc import Iterable
 
-from jaxmem.analysis import Analysis, Residual, is_anchor, recompute_chain
+from jaxmem.analysis import Analysis, Residual, is_anchor, recompute_chain, storable
 from jaxmem.measure import Figures, fmt_bytes
 from jaxmem.program import Program, region_of
 
@@ -354,24 +354,15 @@ def plan_blocks(analysis: Analysis, depth: int) -> Plan:
     """
     prog = analysis.program
     boundary = block_boundaries(prog, depth)
-    drop: set[int] = set()
-    for v in prog.values:
-        if v.producer is None or v.nbytes == 0 or v.id in boundary:
-            continue
-        node = prog.nodes[v.producer]
-        if node.phase == "backward" or node.kind in ("control", "unknown") or \
-                getattr(node.eqn, "effects", None):
-            continue
-        drop.add(v.id)
     residual_ids = {r.value for r in analysis.residuals}
+    drop = set(storable(prog, residual_ids)[0] - boundary)
     choices = tuple(
         Choice(r, Decision.RECOMPUTE, f"inside a block (depth {depth}): re-created with it")
         if r.value in drop and r.recomputable else
         Choice(r, Decision.SAVE, f"crosses a block boundary (depth {depth}): kept"
                if r.value in boundary else "kept")
         for r in analysis.residuals)
-    dropped = frozenset(v for v in drop if v in residual_ids and any(
-        c.residual.value == v and c.decision is Decision.RECOMPUTE for c in choices))
+    dropped = frozenset(c.residual.value for c in choices if c.decision is Decision.RECOMPUTE)
     anchors = frozenset(drop - residual_ids)
     return Plan(choices=choices, strategy=f"blocks(depth={depth})",
                 recompute_flops=recompute_cost(analysis, dropped | anchors, depth),
