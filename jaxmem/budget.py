@@ -660,7 +660,7 @@ def host_correction(model: CostModel, plan: Plan) -> int:
     from jaxmem.rewrite import rewrite
 
     prog = model.program
-    fn = rewrite(prog, plan.recompute, plan.offload, model.residual_ids,
+    fn = rewrite(prog, plan.recompute, plan.offload, model.residual_ids | plan.keep,
                  region_depth=plan.region_depth)
     avals = [jax.ShapeDtypeStruct(prog.values[i].shape, prog.values[i].dtype)
              for i in prog.inputs]
@@ -816,8 +816,10 @@ def plan_with_budget(analysis: Analysis, budget: Any, *, auto: Plan | None = Non
             break
         target = new_target
     if (best is None or best[5] == "segments") and compile_plan is not None and not forced:
-        # Below greedy's reach: jax.checkpoint(nothing_saveable)-style block plans (one
+        # Below greedy's reach: jax.checkpoint(nothing_saveable)-style block plans (about one
         # forward pass of extra FLOPs) before giving up, and instead of segments if cheaper.
+        # Every depth is compiled; the fitting one with the fewest FLOPs wins.
+        fitting = []
         for depth in block_depths(model.program):
             blk = plan_blocks(analysis, depth)
             fig = compile_plan(blk)
@@ -825,17 +827,19 @@ def plan_with_budget(analysis: Analysis, budget: Any, *, auto: Plan | None = Non
             lowest = min(lowest, fig.peak)
             if _DEBUG:
                 print(f"jaxmem budget loop (blocks, depth {depth}): compiled "
-                      f"{fmt_bytes(fig.peak)}")
-            seg_flops = best[3].flops if best is not None and best[3] is not None else None
-            if fig.peak <= requested and (seg_flops is None or fig.flops < seg_flops):
-                note = (f"planned as blocks (depth {depth}) in "
-                        f"{time.perf_counter() - t_start:.1f} s with {compiles} compiles: "
-                        f"values crossing blocks kept, each block re-run once in the backward "
-                        f"pass; compiled peak {fmt_bytes(fig.peak)}, predicted recompute "
-                        f"{100 * blk.recompute_flops / max(blk.baseline_flops, 1):.1f}% FLOPs")
-                return dataclasses.replace(
-                    blk, strategy="budget:blocks", budget=requested,
-                    notes=(*notes, note)).with_figures(fig, base_fig)
+                      f"{fmt_bytes(fig.peak)}, {fig.flops:.4g} FLOPs")
+            if fig.peak <= requested:
+                fitting.append((fig.flops, depth, blk, fig))
+        seg_flops = best[3].flops if best is not None and best[3] is not None else None
+        if fitting and (seg_flops is None or min(fitting)[0] < seg_flops):
+            _, depth, blk, fig = min(fitting, key=lambda t: (t[0], t[1]))
+            note = (f"planned as blocks (depth {depth}) in "
+                    f"{time.perf_counter() - t_start:.1f} s with {compiles} compiles: values "
+                    "crossing blocks kept, each block re-run once in the backward pass; "
+                    f"compiled peak {fmt_bytes(fig.peak)}, predicted recompute "
+                    f"{100 * blk.recompute_flops / max(blk.baseline_flops, 1):.1f}% FLOPs")
+            return dataclasses.replace(blk, strategy="budget:blocks", budget=requested,
+                                       notes=(*notes, note)).with_figures(fig, base_fig)
     if best is None:
         raise BudgetError(
             f"no plan fits the budget {fmt_bytes(requested)}: the lowest peak jaxmem reached "

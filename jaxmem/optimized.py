@@ -233,7 +233,8 @@ class Optimized:
         residuals = frozenset(r.value for r in analysis.residuals)
 
         def jit_plan(p: Plan) -> Any:
-            fn = rewrite(program, p.recompute, p.offload, residuals, region_depth=p.region_depth)
+            fn = rewrite(program, p.recompute, p.offload, residuals | p.keep,
+                         region_depth=p.region_depth)
             return jax.jit(fn, donate_argnums=donate_flat, **self.jit_kwargs)
 
         if self.budget is not None and program.has_backward and self.strategy != "none":

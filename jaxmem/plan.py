@@ -61,6 +61,9 @@ class Plan:
     # paths that makes one backward region per block.
     drop_anchors: frozenset[int] = frozenset()
     region_depth: int | None = None
+    # Values the rewrite keeps though the backward does not read them (a block plan's
+    # boundary values): recompute chains start from them.
+    keep: frozenset[int] = frozenset()
 
     def of(self, decision: Decision) -> tuple[Choice, ...]:
         return tuple(c for c in self.choices if c.decision is decision)
@@ -153,7 +156,7 @@ def chain_flops(analysis: Analysis, residuals: Iterable[Residual]) -> float:
 
 
 def recompute_cost(analysis: Analysis, dropped: Iterable[int],
-                   region_depth: int | None = None) -> float:
+                   region_depth: int | None = None, keep: Iterable[int] = ()) -> float:
     """FLOPs the rewrite spends re-creating ``dropped`` values, exactly as it replays them.
 
     Chains start from kept values (inputs, heavy outputs, residuals not dropped), so they
@@ -162,7 +165,7 @@ def recompute_cost(analysis: Analysis, dropped: Iterable[int],
     """
     prog = analysis.program
     dropped = frozenset(dropped)
-    residual_ids = {r.value for r in analysis.residuals}
+    residual_ids = {r.value for r in analysis.residuals} | set(keep)
 
     def kept(v: int) -> bool:
         return v not in dropped and (v in residual_ids or is_anchor(prog, v))
@@ -364,9 +367,11 @@ def plan_blocks(analysis: Analysis, depth: int) -> Plan:
         for r in analysis.residuals)
     dropped = frozenset(c.residual.value for c in choices if c.decision is Decision.RECOMPUTE)
     anchors = frozenset(drop - residual_ids)
+    keep = frozenset(boundary - drop)
     return Plan(choices=choices, strategy=f"blocks(depth={depth})",
-                recompute_flops=recompute_cost(analysis, dropped | anchors, depth),
-                baseline_flops=prog.flops, drop_anchors=anchors, region_depth=depth)
+                recompute_flops=recompute_cost(analysis, dropped | anchors, depth, keep),
+                baseline_flops=prog.flops, drop_anchors=anchors, region_depth=depth,
+                keep=keep)
 
 
 def plan_none(analysis: Analysis) -> Plan:

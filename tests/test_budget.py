@@ -299,7 +299,7 @@ def zoo_blocks():
         depths = block_depths(prog)
         blk = plan_blocks(a, depths[0])
         auto = plan_auto(a)
-        fns = {"blocks": rewrite(prog, blk.recompute, residuals=res,
+        fns = {"blocks": rewrite(prog, blk.recompute, residuals=res | blk.keep,
                                  region_depth=blk.region_depth),
                "auto": rewrite(prog, auto.recompute, residuals=res)}
         figs = {k: measure.figures(measure.compile(
