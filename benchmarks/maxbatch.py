@@ -235,7 +235,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     log = lambda s: print(s, file=sys.stderr, flush=True)
-    rows = [run_model(m, args.size, args.tol, args.cap, log) for m in args.models]
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for m in args.models:
+        rows.append(run_model(m, args.size, args.tol, args.cap, log))
+        # after every model, so a run stopped early keeps what it measured
+        (args.out / "maxbatch.partial.json").write_text(json.dumps({"results": rows},
+                                                                   indent=2))
     table = markdown(rows)
     print(table)
     print(f"\nbudget = plain jax.jit's compiled peak at the {args.size} batch (so plain fits "
@@ -247,10 +253,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 size=args.size, tol=args.tol, cap=args.cap,
                 seconds=round(time.perf_counter() - t0, 1),
                 compiler_options=measure.compiler_options())
-    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "maxbatch.json").write_text(json.dumps({"meta": meta, "results": rows},
                                                        indent=2))
     (args.out / "maxbatch.md").write_text(table + "\n")
+    (args.out / "maxbatch.partial.json").unlink(missing_ok=True)
     print(f"wrote {args.out / 'maxbatch.json'} and {args.out / 'maxbatch.md'} "
           f"({meta['seconds']:.0f}s)")
     return 0
