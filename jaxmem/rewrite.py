@@ -24,7 +24,7 @@ import jax
 from jax import lax
 
 from jaxmem import _jax
-from jaxmem.analysis import is_anchor, recompute_chain, replay_chain
+from jaxmem.analysis import is_anchor, replay_chain
 from jaxmem.program import Node, Program, region_of
 
 
@@ -179,7 +179,7 @@ def narrow_residuals(program: Program, kept: frozenset[int]) -> frozenset[int]:
 
     A narrow value (a dropout mask ``lt(uniform, p)``: 1 byte per element) made by a fusible
     op from a wider operand that is itself made from the program's inputs alone (random bits
-    from a key) : XLA fuses the cheap op into every reader and keeps the wide operand alive for
+    from a key): XLA fuses the cheap op into every reader and keeps the wide operand alive for
     the backward pass. Narrow values of activations (a ReLU mask of a conv output) are left
     alone: XLA re-derives those from activations it keeps anyway.
     """
@@ -200,10 +200,8 @@ def narrow_residuals(program: Program, kept: frozenset[int]) -> frozenset[int]:
 
 def _from_inputs_only(program: Program, v: int) -> bool:
     """Whether ``v``'s fusible chain starts only from program inputs and constants."""
-    chain = recompute_chain(program, v)
-    made = {o for i in chain for o in program.nodes[i].outputs}
-    starts = {u for i in chain for u in program.nodes[i].inputs if u not in made}
-    return bool(chain) and all(program.values[u].producer is None for u in starts)
+    nodes, starts = replay_chain(program, [v], lambda u: is_anchor(program, u))
+    return bool(nodes) and all(program.values[u].producer is None for u in starts)
 
 
 def rewrite(program: Program, recompute: frozenset[int] = frozenset(),
@@ -226,10 +224,11 @@ def rewrite(program: Program, recompute: frozenset[int] = frozenset(),
       persist: recomputed value ids whose re-created copies are kept for the rest of the
         backward pass (segment recompute: a segment is re-run once, not once per backward
         region that reads it). Default: none; every region re-creates what it reads.
-      pin_narrow: materialise kept residuals that are narrower than their producer's widest
-        input (a dropout mask ``lt(bits, p)``: 1 byte from 4) behind a barrier where they are
-        made. Otherwise XLA fuses the cheap producer into every reader and keeps the wide
-        input alive for the backward pass instead.
+      pin_narrow: materialise kept residuals that are narrower than an operand made from
+        the program's inputs alone (a dropout mask ``lt(uniform, p)``: 1 byte from 4) behind
+        a barrier where they are made (:func:`narrow_residuals`). Otherwise XLA fuses the
+        cheap producer into every reader and keeps the wide operand alive for the backward
+        pass instead.
       region_depth: cut layer paths to this many parts to form backward regions (one region
         per block, as :func:`jaxmem.plan.plan_blocks` needs). Default: one per layer path.
     """
