@@ -831,8 +831,9 @@ def plan_with_budget(analysis: Analysis, budget: Any, *, auto: Plan | None = Non
             if fig.peak <= requested:
                 fitting.append((fig.flops, depth, blk, fig))
         seg_flops = best[3].flops if best is not None and best[3] is not None else None
-        if fitting and (seg_flops is None or min(fitting)[0] < seg_flops):
-            _, depth, blk, fig = min(fitting, key=lambda t: (t[0], t[1]))
+        cheapest = min(fitting, key=lambda t: (t[0], t[1]), default=None)
+        if cheapest is not None and (seg_flops is None or cheapest[0] < seg_flops):
+            _, depth, blk, fig = cheapest
             note = (f"planned as blocks (depth {depth}) in "
                     f"{time.perf_counter() - t_start:.1f} s with {compiles} compiles: values "
                     "crossing blocks kept, each block re-run once in the backward pass; "
