@@ -739,7 +739,8 @@ def plan_with_budget(analysis: Analysis, budget: Any, *, auto: Plan | None = Non
     lowest = plain
     target: int | None = requested
     used = "greedy"
-    min_tried = seg_tried = False
+    min_tried = seg_tried = blocks_tried = False
+    block: tuple[tuple[Plan, Figures] | None, int, int | None] = (None, 0, None)
     points: list[tuple[int, int]] = []
     # Monotone candidates: every plan tried after one that compiled over the budget drops a
     # superset of it (the compiler's peak is not the model's; a tighter plan that gave back
@@ -775,6 +776,18 @@ def plan_with_budget(analysis: Analysis, budget: Any, *, auto: Plan | None = Non
                                  start=floor)
                 min_tried = True
                 used = "greedy (lowest)"
+            elif best is not None:
+                break  # a plan already fits; the model cannot find a cheaper one
+            elif compile_plan is not None and not forced and not blocks_tried:
+                # below what greedy's lowest plan compiles to: block plans next (about one
+                # forward pass of FLOPs, fast to compile), segments only if none fits
+                blocks_tried = True
+                block = _best_block_plan(model, analysis, requested, compile_plan)
+                compiles += block[1]
+                lowest = min(lowest, block[2] or lowest)
+                if block[0] is not None:
+                    break
+                continue
             else:
                 # below what greedy's lowest plan compiles to: Chen's sqrt(n) segments
                 d, o = plan_segments(analysis, profile=model.profile).recompute, frozenset()
@@ -815,26 +828,16 @@ def plan_with_budget(analysis: Analysis, budget: Any, *, auto: Plan | None = Non
         if new_target == target and fits_model:
             break
         target = new_target
-    if (best is None or best[5] == "segments") and compile_plan is not None and not forced:
-        # Below greedy's reach: jax.checkpoint(nothing_saveable)-style block plans (about one
-        # forward pass of extra FLOPs) before giving up, and instead of segments if cheaper.
-        # Every depth is compiled; the fitting one with the fewest FLOPs wins.
-        fitting = []
-        for depth in block_depths(model.program):
-            blk = plan_blocks(analysis, depth)
-            fig = compile_plan(blk)
-            compiles += 1
-            lowest = min(lowest, fig.peak)
-            if _DEBUG:
-                print(f"jaxmem budget loop (blocks, depth {depth}): compiled "
-                      f"{fmt_bytes(fig.peak)}, {fig.flops:.4g} FLOPs")
-            if fig.peak <= requested:
-                fitting.append((fig.flops, depth, blk, fig))
-        seg_flops = best[3].flops if best is not None and best[3] is not None else None
-        cheapest = min(fitting, key=lambda t: (t[0], t[1]), default=None)
-        if cheapest is not None and (seg_flops is None or cheapest[0] < seg_flops):
-            _, depth, blk, fig = cheapest
-            note = (f"planned as blocks (depth {depth}) in "
+    if (best is None or best[5] == "segments") and compile_plan is not None and not forced \
+            and not blocks_tried:
+        block = _best_block_plan(model, analysis, requested, compile_plan)
+        compiles += block[1]
+        lowest = min(lowest, block[2] or lowest)
+    if block[0] is not None:
+        blk, fig = block[0]
+        best_flops = best[3].flops if best is not None and best[3] is not None else None
+        if best_flops is None or fig.flops < best_flops:
+            note = (f"planned as blocks (depth {blk.region_depth}) in "
                     f"{time.perf_counter() - t_start:.1f} s with {compiles} compiles: values "
                     "crossing blocks kept, each block re-run once in the backward pass; "
                     f"compiled peak {fmt_bytes(fig.peak)}, predicted recompute "
@@ -857,6 +860,28 @@ def plan_with_budget(analysis: Analysis, budget: Any, *, auto: Plan | None = Non
                + f", predicted extra step time {1e3 * ev.time:.3f} ms"
                + (f" ({1e3 * ev.transfer_time:.3f} ms exposed transfer)" if o else ""))
     return finish(d, o, f"budget:{used.split(' ')[0]}", fig, [summary, *extra])
+
+
+def _best_block_plan(model: CostModel, analysis: Analysis, requested: int,
+                     compile_plan: Callable[[Plan], Figures]
+                     ) -> tuple[tuple[Plan, Figures] | None, int, int | None]:
+    """``jax.checkpoint(nothing_saveable)``-style block plans at every block depth, compiled:
+    ``((plan, figures) of the fitting one with the fewest FLOPs or None, compiles, lowest
+    compiled peak or None)``."""
+    fitting, lowest, n = [], None, 0
+    for depth in block_depths(model.program):
+        blk = plan_blocks(analysis, depth)
+        fig = compile_plan(blk)
+        n += 1
+        lowest = fig.peak if lowest is None else min(lowest, fig.peak)
+        if _DEBUG:
+            print(f"jaxmem budget loop (blocks, depth {depth}): compiled "
+                  f"{fmt_bytes(fig.peak)}, {fig.flops:.4g} FLOPs")
+        if fig.peak <= requested:
+            fitting.append((fig.flops, depth, blk, fig))
+    cheapest = min(fitting, key=lambda t: (t[0], t[1]), default=None)
+    best = None if cheapest is None else (cheapest[2], cheapest[3])
+    return best, n, lowest
 
 
 def _next_target(points: list[tuple[int, int]], requested: int) -> int:
