@@ -51,7 +51,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxmem.analysis import Analysis, Residual, liveness, recompute_chain
+from jaxmem.analysis import Analysis, liveness, recompute_chain
 from jaxmem.costmodel import (
     OFFLOAD_PREFIX,
     PROFILES,
@@ -65,6 +65,7 @@ from jaxmem.plan import (
     Choice,
     Decision,
     Plan,
+    anchor_residual,
     block_depths,
     plan_blocks,
     plan_none,
@@ -554,17 +555,6 @@ def exact(model: CostModel, target: int, *, allow_offload: bool = False,
 
 # --- planning under a budget --------------------------------------------------------------
 
-def _anchor_residual(model: CostModel, v: int) -> Residual:
-    prog = model.program
-    val = prog.values[v]
-    node = prog.nodes[val.producer]
-    return Residual(
-        name=f"{node.layer + '/' if node.layer else ''}{node.primitive}#{v}", value=v,
-        shape=val.shape, dtype=val.dtype, nbytes=val.nbytes, layer=node.layer,
-        primitive=node.primitive, kind=node.kind, readers=(), recompute_flops=node.flops,
-        recompute_bytes=node.bytes_moved, chain=(node.index,), produced_at=node.index)
-
-
 def make_plan(model: CostModel, drop: Iterable[int], off: Iterable[int], strategy: str,
               why: str, budget: int | None = None, notes: Sequence[str] = ()) -> Plan:
     """A :class:`Plan` from model decisions (anchors that are not residuals included)."""
@@ -584,7 +574,7 @@ def make_plan(model: CostModel, drop: Iterable[int], off: Iterable[int], strateg
     residual_ids = {r.value for r in model.analysis.residuals}
     for v in sorted((drop | off) - residual_ids):
         d = Decision.RECOMPUTE if v in drop else Decision.OFFLOAD
-        choices.append(Choice(_anchor_residual(model, v), d,
+        choices.append(Choice(anchor_residual(model.program, v), d,
                               "anchor of a recompute chain (not read by the backward "
                               "itself): dropped, so its segment is recomputed from earlier "
                               "kept values"))

@@ -56,10 +56,8 @@ class Plan:
     compiled: Figures | None = None
     baseline: Figures | None = None
     notes: tuple[str, ...] = ()
-    # Block plans (:func:`plan_blocks`): forward values that are not residuals but that the
-    # rewrite also re-creates (heavy outputs inside a block), and the depth of the layer
-    # paths that makes one backward region per block.
-    drop_anchors: frozenset[int] = frozenset()
+    # Block plans (:func:`plan_blocks`): the depth of the layer paths that makes one
+    # backward region per block.
     region_depth: int | None = None
     # Values the rewrite keeps though the backward does not read them (a block plan's
     # boundary values): recompute chains start from them.
@@ -71,8 +69,7 @@ class Plan:
     @property
     def recompute(self) -> frozenset[int]:
         """Value ids the rewrite re-creates in the backward pass."""
-        return frozenset(c.residual.value for c in self.of(Decision.RECOMPUTE)) | \
-            self.drop_anchors
+        return frozenset(c.residual.value for c in self.of(Decision.RECOMPUTE))
 
     @property
     def offload(self) -> frozenset[int]:
@@ -359,19 +356,33 @@ def plan_blocks(analysis: Analysis, depth: int) -> Plan:
     boundary = block_boundaries(prog, depth)
     residual_ids = {r.value for r in analysis.residuals}
     drop = set(storable(prog, residual_ids)[0] - boundary)
-    choices = tuple(
+    choices = [
         Choice(r, Decision.RECOMPUTE, f"inside a block (depth {depth}): re-created with it")
         if r.value in drop and r.recomputable else
         Choice(r, Decision.SAVE, f"crosses a block boundary (depth {depth}): kept"
                if r.value in boundary else "kept")
-        for r in analysis.residuals)
+        for r in analysis.residuals]
+    choices += [Choice(anchor_residual(prog, v), Decision.RECOMPUTE,
+                       f"inside a block (depth {depth}), not read by the backward itself: "
+                       "re-created with the block")
+                for v in sorted(drop - residual_ids)]
     dropped = frozenset(c.residual.value for c in choices if c.decision is Decision.RECOMPUTE)
-    anchors = frozenset(drop - residual_ids)
     keep = frozenset(boundary - drop)
-    return Plan(choices=choices, strategy=f"blocks(depth={depth})",
-                recompute_flops=recompute_cost(analysis, dropped | anchors, depth, keep),
-                baseline_flops=prog.flops, drop_anchors=anchors, region_depth=depth,
-                keep=keep)
+    return Plan(choices=tuple(choices), strategy=f"blocks(depth={depth})",
+                recompute_flops=recompute_cost(analysis, dropped, depth, keep),
+                baseline_flops=prog.flops, region_depth=depth, keep=keep)
+
+
+def anchor_residual(program: Program, v: int) -> Residual:
+    """A :class:`Residual` record for a chain anchor the backward does not read itself (a
+    matmul output feeding a norm), so a plan can decide to re-create it too."""
+    val = program.values[v]
+    node = program.nodes[val.producer]
+    return Residual(
+        name=f"{node.layer + '/' if node.layer else ''}{node.primitive}#{v}", value=v,
+        shape=val.shape, dtype=val.dtype, nbytes=val.nbytes, layer=node.layer,
+        primitive=node.primitive, kind=node.kind, readers=(), recompute_flops=node.flops,
+        recompute_bytes=node.bytes_moved, chain=(node.index,), produced_at=node.index)
 
 
 def plan_none(analysis: Analysis) -> Plan:

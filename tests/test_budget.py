@@ -316,7 +316,9 @@ def test_block_plan_is_exact_and_below_the_auto_plan(zoo_blocks, name):
     are what the rewrite replays (each block once)."""
     z = zoo_blocks[name]
     assert z["depths"] and z["blk"].region_depth == z["depths"][0]
-    assert z["blk"].drop_anchors, "matmul outputs inside blocks are re-created too"
+    assert any(c.residual.kind == "heavy" and not c.residual.readers
+               for c in z["blk"].of(jaxmem.Decision.RECOMPUTE)), \
+        "matmul outputs inside blocks are re-created too"
     ref = jax.tree.leaves(jax.jit(z["ref_fn"])(*z["w"].args))
     for x, y in zip(ref, jax.jit(z["fn"])(*z["flat"]), strict=True):
         if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
