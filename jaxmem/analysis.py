@@ -274,7 +274,7 @@ def storable(program: Program, residual_ids: Iterable[int]) -> tuple[frozenset[i
     cand: set[int] = set()
     fixed: set[int] = set()
     for v in program.values:
-        if v.producer is None or v.nbytes == 0:
+        if v.producer is None or v.nbytes == 0 or v.id in program.constant_derived:
             continue
         node = program.nodes[v.producer]
         if node.phase == "backward":
@@ -354,8 +354,8 @@ def find_residuals(program: Program) -> tuple[Residual, ...]:
     anchor = functools.partial(is_anchor, program)
     for vid, rd in readers.items():
         v = program.values[vid]
-        if v.nbytes == 0:
-            continue
+        if v.nbytes == 0 or vid in program.constant_derived:
+            continue  # XLA re-derives a broadcast constant in place: nothing is stored
         if v.producer is None:
             kind: ResidualKind = "argument" if v.is_input else "constant"
             layer, prim, chain = "", kind, ()

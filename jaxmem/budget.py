@@ -70,6 +70,7 @@ from jaxmem.plan import (
     plan_blocks,
     plan_none,
     recompute_cost,
+    resave,
 )
 
 _DEBUG = bool(__import__("os").environ.get("JAXMEM_BUDGET_DEBUG"))
@@ -869,9 +870,44 @@ def _best_block_plan(model: CostModel, analysis: Analysis, requested: int,
                   f"{fmt_bytes(fig.peak)}, {fig.flops:.4g} FLOPs")
         if fig.peak <= requested:
             fitting.append((fig.flops, depth, blk, fig))
+    if fitting:
+        # the block plan with the most headroom keeps some of what it re-creates again
+        roomy = min(fitting, key=lambda t: (t[3].peak, t[0]))
+        (blk, fig), k = _resaved(analysis, roomy[2], roomy[3], requested, compile_plan)
+        n += k
+        fitting.append((fig.flops, roomy[1], blk, fig))
     cheapest = min(fitting, key=lambda t: (t[0], t[1]), default=None)
     best = None if cheapest is None else (cheapest[2], cheapest[3])
     return best, n, lowest
+
+
+def _resaved(analysis: Analysis, blk: Plan, fig: Figures, requested: int,
+             compile_plan: Callable[[Plan], Figures], rounds: int = 4
+             ) -> tuple[tuple[Plan, Figures], int]:
+    """Spend a fitting block plan's headroom on keeping values again (:func:`resave`),
+    compiling each round; a round that compiles over the budget is retried once with half
+    the headroom. Returns ``((plan, figures), compiles)``."""
+    n = 0
+    aim = int(0.98 * requested)
+    for _ in range(rounds):
+        head = aim - fig.peak
+        if head <= 0:
+            break
+        for h in (head, head // 2):
+            cand = resave(analysis, blk, h)
+            if cand is blk:
+                return (blk, fig), n
+            f = compile_plan(cand)
+            n += 1
+            if _DEBUG:
+                print(f"jaxmem budget loop (re-save, {fmt_bytes(h)} headroom): compiled "
+                      f"{fmt_bytes(f.peak)}, {f.flops:.4g} FLOPs")
+            if f.peak <= requested and f.flops < fig.flops:
+                blk, fig = cand, f
+                break
+        else:
+            break
+    return (blk, fig), n
 
 
 def _next_target(points: list[tuple[int, int]], requested: int) -> int:

@@ -326,7 +326,7 @@ def block_boundaries(program: Program, depth: int) -> frozenset[int]:
         for v in n.inputs:
             p = program.values[v].producer
             if p is not None and program.nodes[p].phase == "forward" and \
-                    block(program.nodes[p].layer) != here:
+                    block(program.nodes[p].layer) != here and v not in program.constant_derived:
                 out.add(v)
     return frozenset(out)
 
@@ -371,6 +371,60 @@ def plan_blocks(analysis: Analysis, depth: int) -> Plan:
     return Plan(choices=tuple(choices), strategy=f"blocks(depth={depth})",
                 recompute_flops=recompute_cost(analysis, dropped, depth, keep),
                 baseline_flops=prog.flops, region_depth=depth, keep=keep)
+
+
+def resave(analysis: Analysis, plan: Plan, headroom: int) -> Plan:
+    """A block plan with some of its re-created values kept again, within ``headroom`` bytes.
+
+    Lazy greedy on FLOPs saved per byte: each candidate's gain is its exact marginal
+    :func:`recompute_cost` (given what is already re-saved), re-evaluated when it reaches the
+    top of the heap. A re-saved value stays on the device from the forward pass to its
+    backward region, so the bytes added estimate what the peak can grow; the compiler may
+    lower it instead (less to re-create: smaller recompute working sets) or raise it more
+    (a kept value changes its fusions), so the budget loop compiles the result.
+    """
+    import heapq
+
+    prog = analysis.program
+    depth, keep = plan.region_depth, plan.keep
+    drop = set(plan.recompute)
+    cost = recompute_cost(analysis, drop, depth, keep)
+
+    def gain(v: int) -> float:
+        return cost - recompute_cost(analysis, drop - {v}, depth, keep)
+
+    heap = [(-gain(v) / max(prog.values[v].nbytes, 1), v) for v in sorted(drop)]
+    heapq.heapify(heap)
+    added: list[int] = []
+    used = 0
+    while heap:
+        neg, v = heapq.heappop(heap)
+        if -neg <= 0:
+            break
+        b = prog.values[v].nbytes
+        if used + b > headroom:
+            continue
+        g = gain(v)
+        if heap and g / max(b, 1) < -heap[0][0]:
+            heapq.heappush(heap, (-g / max(b, 1), v))
+            continue
+        if g <= 0:
+            continue
+        drop.discard(v)
+        cost -= g
+        used += b
+        added.append(v)
+    if not added:
+        return plan
+    back = set(added)
+    choices = tuple(
+        dataclasses.replace(c, decision=Decision.SAVE,
+                            reason=f"re-saved: keeping it saves more recompute per byte "
+                            f"than the rest, within {fmt_bytes(headroom)} of headroom")
+        if c.residual.value in back else c for c in plan.choices)
+    return dataclasses.replace(plan, choices=choices, recompute_flops=cost,
+                               strategy=plan.strategy.rstrip(")") + ", re-saved)"
+                               if plan.strategy.endswith(")") else plan.strategy)
 
 
 def anchor_residual(program: Program, v: int) -> Residual:

@@ -92,6 +92,22 @@ class Program:
                 out.setdefault(v, []).append(n.index)
         return {k: tuple(v) for k, v in out.items()}
 
+    @functools.cached_property
+    def constant_derived(self) -> frozenset[int]:
+        """Ids of values made by cheap, effect-free equations from constants alone (a
+        broadcast zero, an iota).
+
+        XLA re-derives such a value inside every fusion that reads it, so it is never a
+        stored residual; holding it anywhere (a barrier operand) would only materialise it.
+        """
+        out: set[int] = set()
+        for n in self.nodes:
+            if n.kind not in ("utility", "free") or getattr(n.eqn, "effects", None):
+                continue
+            if all(self.values[v].is_const or v in out for v in n.inputs):
+                out.update(n.outputs)
+        return frozenset(out)
+
     @property
     def has_backward(self) -> bool:
         return any(n.phase == "backward" for n in self.nodes)

@@ -32,9 +32,10 @@ class _Replay:
     def __init__(self, program: Program, recompute: frozenset[int], offload: frozenset[int],
                  residuals: frozenset[int], prefetch: bool = True,
                  persist: frozenset[int] = frozenset(), pin: frozenset[int] = frozenset(),
-                 region_depth: int | None = None) -> None:
+                 region_depth: int | None = None, route_kept: bool = False) -> None:
         self.p = program
         self.depth = region_depth
+        self.route = route_kept
         self.pin = pin
         self.recompute = recompute
         self.offload = offload
@@ -68,6 +69,25 @@ class _Replay:
         self.kept = lambda v: v not in recompute and v not in offload and (
             v in residuals or is_anchor(program, v))
 
+    def routed(self, v: int) -> bool:
+        """A kept value a backward region reads through its barrier (block mode)."""
+        val = self.p.values[v]
+        if val.is_const or v in self.p.constant_derived:
+            return False
+        return val.producer is not None and self.p.nodes[val.producer].phase == "forward"
+
+    def tie(self, n: Node, env: dict[int, Any]) -> list[Any]:
+        """The values a barrier ties re-created or fetched values to: ``n``'s inputs made in
+        the backward pass (its cotangents).
+
+        Forward values are never tied: a barrier operand must be materialised, and a value
+        XLA would otherwise re-derive in place (a broadcast zero of a ReLU's derivative, an
+        iota) would be kept as a whole buffer from the forward pass to this region.
+        """
+        return [env[v] for v in dict.fromkeys(n.inputs)
+                if (u := self.p.values[v].producer) is not None
+                and self.p.nodes[u].phase == "backward" and v not in self.p.constant_derived]
+
     def chain(self, targets: Sequence[int], cache: dict[int, Any]) -> tuple[list[int], list[int]]:
         """Nodes to replay for ``targets`` (program order) and the anchor values they read."""
         return replay_chain(self.p, targets, self.kept, cache)
@@ -90,16 +110,19 @@ class _Replay:
             if n.index in self.ahead:
                 self.prefetch(n, env, host, fetched, last_backward)
             needs = [v for v in n.inputs if v in self.recompute or v in self.offload]
+            if n.phase == "backward" and needs and region_of(n, self.depth) != region:
+                region, cache = region_of(n, self.depth), dict(kept_on)
+            if self.route and n.phase == "backward" and region_of(n, self.depth) == region:
+                # Block mode: the region reads its kept inputs through its barrier too, as
+                # jax.checkpoint does, so XLA cannot hoist copies of them (a transposed
+                # layout for a weight gradient) into the forward pass and keep both.
+                needs += [v for v in n.inputs if self.routed(v)]
             if n.phase == "backward" and needs:
-                if region_of(n, self.depth) != region:
-                    region, cache = region_of(n, self.depth), dict(kept_on)
                 run = self.run_of.get(n.index)
                 for v in needs:
                     if (run, v) in fetched and v not in cache:
                         cache[v] = fetched[(run, v)]
-                tie = [env[v] for v in n.inputs
-                       if v not in self.recompute and v not in self.offload
-                       and not p.values[v].is_const] or last_backward
+                tie = self.tie(n, env) or last_backward
                 self.materialise([v for v in dict.fromkeys(needs) if v not in cache],
                                  env, host, cache, tie)
                 if self.persist:
@@ -128,8 +151,7 @@ class _Replay:
         vs = [v for v in self.ahead[n.index] if v in host]
         if not vs:
             return
-        tie = [env[v] for v in n.inputs if v not in self.recompute and v not in self.offload
-               and not self.p.values[v].is_const] or last_backward
+        tie = self.tie(n, env) or last_backward
         operands = [host[v] for v in vs]
         if tie:
             operands, _ = lax.optimization_barrier((operands, list(tie)))
@@ -144,9 +166,12 @@ class _Replay:
         if not targets:
             return
         fetch = [v for v in targets if v in self.offload]
-        redo = [v for v in targets if v not in self.offload]
+        redo = [v for v in targets if v in self.recompute]
         nodes, anchors = self.chain(redo, cache) if redo else ([], [])
-        anchors = [a for a in anchors if not self.p.values[a].is_const]
+        # Kept values a block region reads (route_kept) pass the barrier as they are.
+        anchors = list(dict.fromkeys(
+            [a for a in anchors if not self.p.values[a].is_const]
+            + [v for v in targets if v not in self.offload and v not in self.recompute]))
         operands = [env[a] for a in anchors] + [host[v] for v in fetch]
         if tie and operands:
             # The barrier makes the re-created values depend on this region's cotangents, so
@@ -170,8 +195,9 @@ class _Replay:
                 # every value of the replayed chain, not only the targets.
                 if o in self.persist or self.depth is not None:
                     cache[o] = x
-        for v in redo:
-            cache[v] = local[v]
+        for v in targets:
+            if v not in self.offload:
+                cache[v] = local[v]
 
 
 def narrow_residuals(program: Program, kept: frozenset[int]) -> frozenset[int]:
@@ -208,7 +234,8 @@ def rewrite(program: Program, recompute: frozenset[int] = frozenset(),
             offload: frozenset[int] = frozenset(),
             residuals: frozenset[int] | None = None, *, prefetch: bool = True,
             persist: frozenset[int] = frozenset(),
-            pin_narrow: bool = True, region_depth: int | None = None) -> Callable[..., list[Any]]:
+            pin_narrow: bool = True, region_depth: int | None = None,
+            route_kept: bool | None = None) -> Callable[..., list[Any]]:
     """A function of the program's flat inputs that recomputes / offloads as told.
 
     Args:
@@ -231,6 +258,11 @@ def rewrite(program: Program, recompute: frozenset[int] = frozenset(),
         pass instead.
       region_depth: cut layer paths to this many parts to form backward regions (one region
         per block, as :func:`jaxmem.plan.plan_blocks` needs). Default: one per layer path.
+      route_kept: a backward region also reads the kept forward values it needs through its
+        barrier, as ``jax.checkpoint`` does, so XLA cannot hoist copies of them (a transposed
+        layout for a weight gradient) into the forward pass and keep both. Default: on in
+        block mode (``region_depth`` given), off otherwise (there it can force narrow masks
+        XLA would re-derive to be stored; measured worse on DenseNet).
     """
     if residuals is None:
         from jaxmem.analysis import find_residuals
@@ -244,5 +276,6 @@ def rewrite(program: Program, recompute: frozenset[int] = frozenset(),
                            - frozenset(offload)) if pin_narrow else frozenset()
     replay = _Replay(program, frozenset(recompute), frozenset(offload), frozenset(residuals),
                      prefetch=prefetch, persist=frozenset(persist) & frozenset(recompute),
-                     pin=pin, region_depth=region_depth)
+                     pin=pin, region_depth=region_depth,
+                     route_kept=region_depth is not None if route_kept is None else route_kept)
     return replay.run

@@ -85,6 +85,31 @@ def test_relu_dead_zero_broadcasts_are_not_residuals():
     assert a.activation_bytes == made - dead
 
 
+def test_values_made_from_constants_are_not_residuals():
+    """A broadcast zero (or iota) a backward equation reads is re-derived by XLA inside its
+    reader; jaxmem neither counts it as a residual nor keeps it, nor ties a barrier to it."""
+    from jaxmem.analysis import from_program, storable
+
+    def step(w, x):
+        def loss(w):
+            h = jax.nn.relu(x @ w)
+            return jnp.sum(jnp.where(jnp.arange(h.shape[1]) % 2 == 0, h, 0.0) ** 2)
+        return jax.grad(loss)(w)
+
+    w, x = jnp.ones((16, 16)), jnp.ones((8, 16))
+    prog = jaxmem.trace(step, w, x)
+    made = prog.constant_derived
+    prims = {prog.nodes[prog.values[v].producer].primitive for v in made}
+    assert {"broadcast_in_dim", "iota"} & prims, prims
+    a = from_program(prog)
+    assert not {r.value for r in a.residuals} & made
+    assert not storable(prog, made)[0] & made
+    # every constant-derived value has only constants (or others like it) as inputs
+    for v in made:
+        n = prog.nodes[prog.values[v].producer]
+        assert all(prog.values[u].is_const or u in made for u in n.inputs)
+
+
 @pytest.mark.parametrize("name", ["mlp", "cnn"])
 def test_predicted_peak_within_20_percent(models, name):
     loss, params, x, a = models[name]
