@@ -417,6 +417,10 @@ def materialised(program: Program) -> list[bool]:
         if v.id in out_set or node.kind not in _FUSIBLE or _is_reduction(node.primitive):
             mat[v.id] = True
             continue
+        if node.primitive == "device_put" and any(
+                str(values[u].memory_space) != str(v.memory_space) for u in node.inputs):
+            mat[v.id] = True  # a copy to (or from) host memory is a buffer of its own
+            continue
         avail = node.primitive not in _EXPENSIVE and all(mat[a] or dup[a] for a in node.inputs)
         for i in rd:
             u = program.nodes[i]
@@ -463,12 +467,14 @@ def _unit_transient(node: Node) -> int:
 
 
 def liveness(program: Program, *, count_inputs: bool = True,
-             donated: Iterable[int] = ()) -> tuple[int, tuple[int, ...], int]:
+             donated: Iterable[int] = (), device_only: bool = False
+             ) -> tuple[int, tuple[int, ...], int]:
     """Predicted ``(peak, live bytes after each node, output bytes)``.
 
     The peak is comparable with XLA's ``argument + output + temp - alias``: inputs are live
     throughout, outputs from their producer to the end, intermediates from producer to last
     reader. Outputs that alias a ``donated`` input index are not counted twice.
+    ``device_only``: values placed in host memory keep their lifetimes but are not counted.
     """
     nodes, values = program.nodes, program.values
     mat = materialised(program)
@@ -484,6 +490,8 @@ def liveness(program: Program, *, count_inputs: bool = True,
     delta = np.zeros(end + 2, dtype=np.int64)
     for v in values:
         if v.producer is None or not mat[v.id]:
+            continue
+        if device_only and "Host" in str(v.memory_space):
             continue
         delta[v.producer] += v.nbytes
         delta[last.get(v.id, v.producer) + 1] -= v.nbytes

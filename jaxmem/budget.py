@@ -67,6 +67,7 @@ from jaxmem.plan import (
     Plan,
     anchor_residual,
     block_depths,
+    block_offload_candidates,
     plan_blocks,
     plan_none,
     recompute_cost,
@@ -620,6 +621,12 @@ def _solve(model: CostModel, target: int, solver: str, allow_offload: bool,
             notes.append(f"exact solver: {status} after {dt:.1f} s; fell back to greedy")
     d, o, fits = greedy(model, target, allow_offload=allow_offload, forced_offload=forced,
                         start=start)
+    if allow_offload:
+        # offload allowed is a superset of the choices: never return a plan the model says
+        # is slower than (or does not fit where) the recompute-only one does
+        rd, ro, rfits = greedy(model, target, forced_offload=forced, start=start)
+        if rfits and (not fits or model.evaluate(rd, ro).time <= model.evaluate(d, o).time):
+            return rd, ro, True, used
     return d, o, fits, used
 
 
@@ -630,12 +637,12 @@ def _device_peak(model: CostModel, plan: Plan, compiled: Figures) -> tuple[int, 
     if jax.default_backend() not in ("cpu",):
         return compiled.peak, None
     try:
-        corr = host_correction(model, plan)
+        corr = host_correction(model, plan, donated=compiled.alias > 0)
     except Exception as e:  # noqa: BLE001 - an estimate: fall back to the offloaded bytes
         corr = sum(c.residual.nbytes for c in plan.of(Decision.OFFLOAD))
         why = f"(rewritten program not analysable: {type(e).__name__}; used offloaded bytes)"
     else:
-        why = "(liveness of the rewritten program with host-space values left out)"
+        why = "(host-resident bytes at the rewritten program's predicted peak)"
     est = max(compiled.peak - corr, 0)
     return est, (f"CPU compile strips host placement, so XLA's compiled peak "
                  f"{fmt_bytes(compiled.peak)} still counts the offloaded residuals on the "
@@ -644,26 +651,41 @@ def _device_peak(model: CostModel, plan: Plan, compiled: Figures) -> tuple[int, 
                  f"compiled peak itself drops")
 
 
-def host_correction(model: CostModel, plan: Plan) -> int:
-    """Predicted device bytes the offloads free at the peak: the rewritten program's liveness
-    with and without the values placed in host memory."""
+def host_correction(model: CostModel, plan: Plan, donated: bool = False) -> int:
+    """Predicted device bytes the offloads free at the peak: the bytes placed in host memory
+    that are live at the peak of the rewritten program's liveness. ``donated``: the step was
+    compiled with its state donated (outputs alias the inputs of the same shape and dtype).
+
+    An estimate for CPU, where XLA strips host placement: it assumes the compiled peak stays
+    where the liveness model puts it. A GPU compile reports the real figure."""
     from jaxmem.program import from_jaxpr
     from jaxmem.rewrite import rewrite
 
     prog = model.program
     fn = rewrite(prog, plan.recompute, plan.offload, model.residual_ids | plan.keep,
                  region_depth=plan.region_depth)
-    avals = [jax.ShapeDtypeStruct(prog.values[i].shape, prog.values[i].dtype)
-             for i in prog.inputs]
+    avals = [jax.ShapeDtypeStruct(v.shape, v.aval.dtype if v.aval is not None else v.dtype)
+             for v in (prog.values[i] for i in prog.inputs)]
     closed = jax.make_jaxpr(fn)(*avals)
     p2 = from_jaxpr(closed)
-    with_host, _, _ = liveness(p2)
-    vals = tuple(dataclasses.replace(v, nbytes=0) if "Host" in str(v.memory_space) else v
-                 for v in p2.values)
-    p3 = dataclasses.replace(p2, values=vals)
-    p3.__dict__.pop("users", None)
-    without, _, _ = liveness(p3)
-    return max(0, with_host - without)
+    donate: list[int] = []
+    if donated:
+        free = {}
+        for k, i in enumerate(p2.inputs):
+            v = p2.values[i]
+            free.setdefault((v.shape, str(v.dtype)), []).append(k)
+        for o in p2.outputs:
+            v = p2.values[o]
+            if v.producer is not None and free.get((v.shape, str(v.dtype))):
+                donate.append(free[(v.shape, str(v.dtype))].pop())
+    # The host-resident bytes at the rewritten program's own peak (where XLA's compiled
+    # peak is taken to be): what the device does not hold there.
+    _, with_host, _ = liveness(p2, donated=donate)
+    _, device, _ = liveness(p2, donated=donate, device_only=True)
+    if not with_host:
+        return 0
+    i = int(np.argmax(with_host))
+    return max(0, with_host[i] - device[i])
 
 
 def plan_with_budget(analysis: Analysis, budget: Any, *, auto: Plan | None = None,
@@ -835,6 +857,26 @@ def plan_with_budget(analysis: Analysis, budget: Any, *, auto: Plan | None = Non
                     f"{100 * blk.recompute_flops / max(blk.baseline_flops, 1):.1f}% FLOPs")
             return dataclasses.replace(blk, strategy="budget:blocks", budget=requested,
                                        notes=(*notes, note)).with_figures(fig, base_fig)
+    if best is None and block[0] is None and allow_off and compile_plan is not None \
+            and not forced:
+        # nothing save+recompute can do fits: park block boundary values in host memory
+        found, k, low = _block_offload_plan(model, analysis, requested, compile_plan)
+        compiles += k
+        lowest = min(lowest, low or lowest)
+        if found is not None:
+            blk, fig, dev, dev_note, t = found
+            parked = sum(c.residual.nbytes for c in blk.of(Decision.OFFLOAD))
+            note = (f"planned as blocks (depth {blk.region_depth}) with {len(blk.offload)} "
+                    f"boundary values ({fmt_bytes(parked)}) in host memory, in "
+                    f"{time.perf_counter() - t_start:.1f} s with {compiles} "
+                    f"compiles (profile {model.profile.name}): device peak {fmt_bytes(dev)}, "
+                    f"predicted extra step time {1e3 * t:.3f} ms (exposed transfer "
+                    f"{1e3 * model.transfer(blk.offload, blk.region_depth):.3f} ms); no plan "
+                    "without offload fits")
+            return dataclasses.replace(
+                blk, strategy="budget:blocks+offload", budget=requested,
+                notes=(*notes, note, *([dev_note] if dev_note else ()))
+            ).with_figures(fig, base_fig)
     if best is None:
         raise BudgetError(
             f"no plan fits the budget {fmt_bytes(requested)}: the lowest peak jaxmem reached "
@@ -879,6 +921,42 @@ def _best_block_plan(model: CostModel, analysis: Analysis, requested: int,
     cheapest = min(fitting, key=lambda t: (t[0], t[1]), default=None)
     best = None if cheapest is None else (cheapest[2], cheapest[3])
     return best, n, lowest
+
+
+def _block_offload_plan(model: CostModel, analysis: Analysis, requested: int,
+                        compile_plan: Callable[[Plan], Figures]
+                        ) -> tuple[tuple[Plan, Figures, int, str | None, float] | None, int,
+                                   int | None]:
+    """Block plans at the shallowest block depth with their boundary values offloaded,
+    earliest first (the longest windows to hide a round trip in): all of them, then the
+    earliest half, quarter, ... while the device peak still fits. Returns ``((plan, figures,
+    device peak, device-peak note, predicted extra seconds) or None, compiles, lowest device
+    peak or None)``."""
+    prog = model.program
+    depths = block_depths(prog)
+    if not depths:
+        return None, 0, None
+    depth = depths[0]
+    cands = sorted(block_offload_candidates(analysis, depth),
+                   key=lambda v: prog.values[v].producer)
+    found, n, lowest = None, 0, None
+    k = len(cands)
+    while k >= 1:
+        blk = plan_blocks(analysis, depth, offload=cands[:k])
+        fig = compile_plan(blk)
+        n += 1
+        dev, note = _device_peak(model, blk, fig)
+        lowest = dev if lowest is None else min(lowest, dev)
+        if _DEBUG:
+            print(f"jaxmem budget loop (blocks+offload, depth {depth}, {k} offloaded): "
+                  f"device peak {fmt_bytes(dev)}")
+        if dev > requested:
+            break
+        t = (blk.recompute_flops / model.profile.flops_per_s
+             + model.transfer(blk.offload, depth))
+        found = (blk, fig, dev, note, t)
+        k //= 2
+    return found, n, lowest
 
 
 def _resaved(analysis: Analysis, blk: Plan, fig: Figures, requested: int,

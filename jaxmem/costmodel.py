@@ -190,6 +190,7 @@ class CostModel:
         for t in self.node_time:
             cum.append(cum[-1] + t)
         self.step_time = cum[-1]
+        self._cum = cum
         self.window: dict[int, float] = {}
         for r in analysis.residuals:
             if r.value in self.activations and r.readers:
@@ -220,7 +221,8 @@ class CostModel:
             return True
         if v not in self.candidates:
             return False
-        return v not in drop and v not in off
+        # an offloaded value is a chain start too: the rewrite fetches it back
+        return v not in drop
 
     def walk(self, i: int, drop: Any, off: Any) -> RegionState:
         """The recompute chain of region ``i`` under (drop, off)."""
@@ -267,17 +269,45 @@ class CostModel:
     def _stored(self, drop: Any, off: Any, states: dict[int, RegionState]) -> int:
         return int(self.alive_bytes(drop, off, states)[0])
 
-    def transfer(self, off: Iterable[int]) -> float:
-        """Exposed transfer time of offloading ``off`` (seconds)."""
+    def transfer(self, off: Iterable[int], region_depth: int | None = None) -> float:
+        """Exposed transfer time of offloading ``off`` (seconds): the round trips beyond
+        ``overlap`` of the step's compute, plus each copy's part that does not fit in its
+        window (the compute between its production and its first backward use)."""
         p = self.profile
         off = list(off)
         if not off:
             return 0.0
-        link = sum(2 * p.transfer_time(self.bytes.get(v, 0)) for v in off)
+
+        def nbytes(v: int) -> int:
+            return self.bytes.get(v) or self.program.values[v].nbytes
+
+        link = sum(2 * p.transfer_time(nbytes(v)) for v in off)
         exposed = max(0.0, link - p.overlap * self.step_time)
         for v in off:
-            exposed += max(0.0, p.transfer_time(self.bytes.get(v, 0)) - self.window.get(v, 0.0))
+            exposed += max(0.0, p.transfer_time(nbytes(v)) - self.window_of(v, region_depth))
         return exposed
+
+    def window_of(self, v: int, region_depth: int | None = None) -> float:
+        """Compute time (s) between the production of ``v`` and its first use in the
+        backward pass: a backward read, or (block plans, ``region_depth``) the first backward
+        equation of a block whose forward reads it."""
+        if v in self.window:
+            return self.window[v]
+        prog = self.program
+        p = prog.values[v].producer
+        if p is None:
+            return 0.0
+
+        def block(layer: str) -> str:
+            return layer if region_depth is None else "/".join(layer.split("/")[:region_depth])
+
+        users = [prog.nodes[i] for i in prog.users.get(v, ())]
+        blocks = {block(n.layer) for n in users if n.phase == "forward"}
+        first = next((n.index for n in prog.nodes if n.phase == "backward"
+                      and (v in n.inputs or block(n.layer) in blocks)), None)
+        if first is None:
+            return 0.0
+        return max(0.0, self._cum[first] - self._cum[p + 1])
 
     def states(self, drop: Any, off: Any) -> dict[int, RegionState]:
         return {i: self.walk(i, drop, off) for i in range(len(self.regions))

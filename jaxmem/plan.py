@@ -19,7 +19,14 @@ import enum
 from collections import defaultdict
 from collections.abc import Iterable
 
-from jaxmem.analysis import Analysis, Residual, is_anchor, recompute_chain, storable
+from jaxmem.analysis import (
+    Analysis,
+    Residual,
+    is_anchor,
+    recompute_chain,
+    replay_chain,
+    storable,
+)
 from jaxmem.measure import Figures, fmt_bytes
 from jaxmem.program import Program, region_of
 
@@ -344,33 +351,84 @@ def block_depths(program: Program) -> tuple[int, ...]:
     return tuple(out)
 
 
-def plan_blocks(analysis: Analysis, depth: int) -> Plan:
+def plan_blocks(analysis: Analysis, depth: int, offload: Iterable[int] = ()) -> Plan:
     """``jax.checkpoint(policy=nothing_saveable)`` around every block, as a plan.
 
     Keeps only the values that cross block boundaries at ``depth`` (and arguments), and
     re-creates everything else, matmul and convolution outputs included, once per block in
     the backward pass (one backward region per block). The low-memory end of what the
     budget planner can reach without segments: about one extra forward pass of FLOPs.
+
+    ``offload``: boundary values (:func:`block_offload_candidates`) to park in host memory
+    instead of keeping them on the device (MaxText's "offload the decoder layer inputs,
+    recompute the rest"); each comes back for the block that starts from it.
     """
     prog = analysis.program
     boundary = block_boundaries(prog, depth)
     residual_ids = {r.value for r in analysis.residuals}
     drop = set(storable(prog, residual_ids)[0] - boundary)
-    choices = [
-        Choice(r, Decision.RECOMPUTE, f"inside a block (depth {depth}): re-created with it")
-        if r.value in drop and r.recomputable else
-        Choice(r, Decision.SAVE, f"crosses a block boundary (depth {depth}): kept"
-               if r.value in boundary else "kept")
-        for r in analysis.residuals]
+    off = frozenset(offload)
+    bad = off - block_offload_candidates(analysis, depth) if off else frozenset()
+    if bad:
+        raise ValueError(f"values {sorted(bad)} are not block boundary values at depth "
+                         f"{depth} that can be offloaded (see block_offload_candidates)")
+
+    def choice(r: Residual) -> Choice:
+        if r.value in off:
+            return Choice(r, Decision.OFFLOAD, f"crosses a block boundary (depth {depth}): "
+                          "parked in host memory, fetched back for its block")
+        if r.value in drop and r.recomputable:
+            return Choice(r, Decision.RECOMPUTE,
+                          f"inside a block (depth {depth}): re-created with it")
+        return Choice(r, Decision.SAVE, f"crosses a block boundary (depth {depth}): kept"
+                      if r.value in boundary else "kept")
+
+    choices = [choice(r) for r in analysis.residuals]
     choices += [Choice(anchor_residual(prog, v), Decision.RECOMPUTE,
                        f"inside a block (depth {depth}), not read by the backward itself: "
                        "re-created with the block")
                 for v in sorted(drop - residual_ids)]
+    choices += [Choice(anchor_residual(prog, v), Decision.OFFLOAD,
+                       f"crosses a block boundary (depth {depth}): parked in host memory, "
+                       "fetched back for the block that starts from it")
+                for v in sorted(off - residual_ids)]
     dropped = frozenset(c.residual.value for c in choices if c.decision is Decision.RECOMPUTE)
-    keep = frozenset(boundary - drop)
-    return Plan(choices=tuple(choices), strategy=f"blocks(depth={depth})",
-                recompute_flops=recompute_cost(analysis, dropped, depth, keep),
+    keep = frozenset(boundary - drop - off)
+    return Plan(choices=tuple(choices),
+                strategy=f"blocks(depth={depth}" + (", offload)" if off else ")"),
+                recompute_flops=recompute_cost(analysis, dropped, depth, keep | off),
                 baseline_flops=prog.flops, region_depth=depth, keep=keep)
+
+
+def block_offload_candidates(analysis: Analysis, depth: int) -> frozenset[int]:
+    """Boundary values of the blocks at ``depth`` that a block plan may offload: made in the
+    forward pass by an equation the rewrite can replay (not a control-flow unit, not an
+    effect), not program inputs, and read by the backward pass (directly or as the start of
+    a block's replay)."""
+    prog = analysis.program
+    blk = plan_blocks(analysis, depth)
+    drop = blk.recompute
+    kept_ids = {r.value for r in analysis.residuals} | blk.keep
+
+    def kept(v: int) -> bool:
+        return v not in drop and (v in kept_ids or is_anchor(prog, v))
+
+    # what the backward pass reads of them: directly, or as the start of a block's replay
+    used: set[int] = set()
+    for n in prog.nodes:
+        if n.phase == "backward":
+            used.update(n.inputs)
+            redo = [v for v in n.inputs if v in drop]
+            if redo:
+                used.update(replay_chain(prog, redo, kept)[1])
+
+    def ok(v: int) -> bool:
+        n = prog.nodes[prog.values[v].producer]
+        return (n.phase == "forward" and n.kind not in ("control", "unknown")
+                and not getattr(n.eqn, "effects", None) and prog.values[v].nbytes > 0
+                and v in used)
+
+    return frozenset(v for v in block_boundaries(prog, depth) if ok(v))
 
 
 def resave(analysis: Analysis, plan: Plan, headroom: int) -> Plan:
@@ -386,7 +444,7 @@ def resave(analysis: Analysis, plan: Plan, headroom: int) -> Plan:
     import heapq
 
     prog = analysis.program
-    depth, keep = plan.region_depth, plan.keep
+    depth, keep = plan.region_depth, plan.keep | plan.offload
     drop = set(plan.recompute)
     cost = recompute_cost(analysis, drop, depth, keep)
 

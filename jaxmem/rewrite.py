@@ -40,6 +40,11 @@ class _Replay:
         self.recompute = recompute
         self.offload = offload
         self.persist = persist
+        # Values a chain may start from: program inputs, constants, kept residuals and
+        # anchors (heavy outputs, units), and offloaded values (fetched back from the host)
+        # — never a value the plan re-creates.
+        self.kept = lambda v: v not in recompute and (
+            v in offload or v in residuals or is_anchor(program, v))
         # Backward runs: maximal runs of consecutive backward nodes of one layer. With
         # prefetch, an offloaded value first read in run k is fetched at the start of run k-1.
         self.run_of: dict[int, int] = {}
@@ -59,20 +64,23 @@ class _Replay:
                 for v in n.inputs:
                     if v in offload:
                         reads[-1][v] = None
+                # offloaded values the run's recompute chains start from are read there too
+                redo = [v for v in n.inputs if v in recompute]
+                if redo:
+                    for a in replay_chain(program, redo, self.kept)[1]:
+                        if a in offload:
+                            reads[-1][a] = None
             for k in range(1, len(starts)):
                 early = [v for v in reads[k]
                          if program.values[v].producer < starts[k - 1]]
                 if early:
                     self.ahead[starts[k - 1]] = early
-        # Values a chain may start from: program inputs, constants, kept residuals and
-        # anchors (heavy outputs, units) — never a value the plan drops.
-        self.kept = lambda v: v not in recompute and v not in offload and (
-            v in residuals or is_anchor(program, v))
 
     def routed(self, v: int) -> bool:
         """A kept value a backward region reads through its barrier (block mode)."""
         val = self.p.values[v]
-        if val.is_const or v in self.p.constant_derived:
+        if val.is_const or v in self.p.constant_derived or v in self.recompute \
+                or v in self.offload:
             return False
         return val.producer is not None and self.p.nodes[val.producer].phase == "forward"
 
@@ -119,9 +127,9 @@ class _Replay:
                 needs += [v for v in n.inputs if self.routed(v)]
             if n.phase == "backward" and needs:
                 run = self.run_of.get(n.index)
-                for v in needs:
-                    if (run, v) in fetched and v not in cache:
-                        cache[v] = fetched[(run, v)]
+                for (r, v), x in fetched.items():
+                    if r == run and v not in cache:
+                        cache[v] = x
                 tie = self.tie(n, env) or last_backward
                 self.materialise([v for v in dict.fromkeys(needs) if v not in cache],
                                  env, host, cache, tie)
@@ -165,12 +173,14 @@ class _Replay:
                     cache: dict[int, Any], tie: list[Any]) -> None:
         if not targets:
             return
-        fetch = [v for v in targets if v in self.offload]
         redo = [v for v in targets if v in self.recompute]
         nodes, anchors = self.chain(redo, cache) if redo else ([], [])
+        # Offloaded values read here, directly or as a chain's start, come back from host.
+        fetch = list(dict.fromkeys([v for v in targets if v in self.offload]
+                                   + [a for a in anchors if a in self.offload]))
         # Kept values a block region reads (route_kept) pass the barrier as they are.
         anchors = list(dict.fromkeys(
-            [a for a in anchors if not self.p.values[a].is_const]
+            [a for a in anchors if not self.p.values[a].is_const and a not in self.offload]
             + [v for v in targets if v not in self.offload and v not in self.recompute]))
         operands = [env[a] for a in anchors] + [host[v] for v in fetch]
         if tie and operands:
@@ -183,7 +193,7 @@ class _Replay:
         for v, x in zip(fetch, operands[len(anchors):], strict=True):
             n = self.p.nodes[self.p.values[v].producer]
             with _jax.user_context(n.eqn.source_info.traceback, n.stack):
-                cache[v] = jax.device_put(x, _jax.device_space())
+                cache[v] = local[v] = jax.device_put(x, _jax.device_space())
         for i in nodes:
             n = self.p.nodes[i]
             ins = [local[v] if v in local else env[v] for v in n.inputs]

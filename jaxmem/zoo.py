@@ -103,6 +103,7 @@ class Workload:
     seed: int = 0
     remat_policy: Policy | None = None
     loss_and_grads: GradFn | None = dataclasses.field(default=None, repr=False, compare=False)
+    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def args(self) -> tuple[State, Batch]:
@@ -115,7 +116,8 @@ class Workload:
         Wrapping a block in ``nn.remat`` does not change parameter paths, so the state is reused
         as is (no second initialisation); a structure mismatch raises ``ValueError``.
         """
-        other = _make(self.name, self.size, self.batch_size, policy, self.seed, abstract=True)
+        other = _make(self.name, self.size, self.batch_size, policy, self.seed, abstract=True,
+                      overrides=self.overrides)
         mine, theirs = jax.tree.structure(self.state), jax.tree.structure(other.state)
         if mine != theirs:
             raise ValueError(
@@ -211,6 +213,8 @@ def make(
     batch: int | None = None,
     remat_policy: Policy | None = None,
     seed: int = 0,
+    abstract: bool = False,
+    **overrides: Any,
 ) -> Workload:
     """Build zoo model ``name`` as a :class:`Workload`: a train step plus example arguments.
 
@@ -222,6 +226,10 @@ def make(
         applied to every block with ``nn.remat``/``nnx.remat``; None for no remat.
       seed: seeds the parameters, the data and the dropout key. The same seed gives the same
         state and batch whatever ``remat_policy`` is.
+      abstract: the state holds ``jax.ShapeDtypeStruct`` s (nothing initialised), for
+        compile-only measurements of models too large to build on this machine.
+      overrides: builder keywords replacing the size's own (see :func:`config`), e.g.
+        ``depth=16, width=2048`` for the mlp; unknown names raise ``ValueError``.
 
     Returns:
       A :class:`Workload`. ``jax.jit(w.step)(*w.args)`` runs one train step.
@@ -231,7 +239,7 @@ def make(
       >>> w.n_blocks
       2
     """
-    return _make(name, size, batch, remat_policy, seed, abstract=False)
+    return _make(name, size, batch, remat_policy, seed, abstract=abstract, overrides=overrides)
 
 
 def _make(
@@ -242,9 +250,15 @@ def _make(
     seed: int,
     *,
     abstract: bool,
+    overrides: dict[str, Any] | None = None,
 ) -> Workload:
     """:func:`make`; with ``abstract=True`` the state holds ``ShapeDtypeStruct`` s (no init)."""
     cfg = config(name, size)
+    unknown = sorted(set(overrides or {}) - set(cfg) - {"batch"})
+    if unknown:
+        raise ValueError(f"zoo model {name!r} has no setting(s) {unknown}; its settings are "
+                         f"{sorted(cfg)}")
+    cfg.update(overrides or {})
     if batch is not None:
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
@@ -273,6 +287,7 @@ def _make(
         seed=seed,
         remat_policy=remat_policy,
         loss_and_grads=loss_and_grads,
+        overrides=dict(overrides or {}),
     )
 
 

@@ -126,3 +126,64 @@ def test_prefetch_fetches_one_region_early():
     st = jax.jit(early).trace(*flat).lower(lowering_platforms=("cuda",)).as_text()
     assert st.count('_xla_buffer_placement = "pinned_host"') == 3
     assert st.count('_xla_buffer_placement = "device"') == 3
+
+
+def test_block_plan_offloads_boundary_values():
+    """A block plan can park its boundary values in host memory (MaxText's "offload the
+    layer inputs, recompute the rest"): each comes back for the block whose replay starts from
+    it. One pinned_host placement and one fetch per offloaded value in the CUDA lowering, host
+    avals in the rewritten jaxpr, outputs identical to the plain step (dropout included)."""
+    from jaxmem import zoo
+    from jaxmem.analysis import from_program
+    from jaxmem.plan import block_depths, block_offload_candidates, plan_blocks
+    from jaxmem.rewrite import rewrite
+
+    w = zoo.make("transformer", size="test")
+    prog = jaxmem.trace(w.loss_and_grads, *w.args)
+    a = from_program(prog)
+    depth = block_depths(prog)[0]
+    cands = block_offload_candidates(a, depth)
+    assert len(cands) >= 2
+    plan = plan_blocks(a, depth, offload=cands)
+    assert plan.offload == cands and not plan.offload & plan.keep
+    assert plan.recompute == plan_blocks(a, depth).recompute
+    res = frozenset(r.value for r in a.residuals)
+    fn = rewrite(prog, plan.recompute, plan.offload, res | plan.keep, region_depth=depth)
+    flat = jax.tree.leaves(w.args)
+    text = jax.jit(fn).trace(*flat).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count('_xla_buffer_placement = "pinned_host"') == len(cands)
+    assert text.count('_xla_buffer_placement = "device"') == len(cands)
+    closed = jax.make_jaxpr(fn)(*flat)
+    host = [v for e in closed.jaxpr.eqns if e.primitive.name == "device_put"
+            for v in e.outvars if getattr(v.aval, "memory_space", None) == jax.memory.Space.Host]
+    assert len(host) == len(cands)
+    ref = jax.tree.leaves(jax.jit(w.loss_and_grads)(*w.args))
+    for x, y in zip(ref, jax.jit(fn)(*flat), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    with pytest.raises(ValueError, match="block boundary"):
+        plan_blocks(a, depth, offload={prog.inputs[0]})
+
+
+def test_offload_fits_below_what_recompute_reaches():
+    """Below the lowest peak save + recompute reaches (BudgetError without offload), offload
+    lets the plan fit; on CPU the fit is checked against the predicted device peak, and every
+    offloaded value is placed in pinned_host memory."""
+    from jaxmem import zoo
+    from jaxmem.budget import Budget, BudgetError
+
+    w = zoo.make("mlp", size="test", abstract=True, depth=8, batch=1024)
+    a = jaxmem.optimize(w.step, donate_argnums=(0,)).analysis(*w.args)
+    with pytest.raises(BudgetError) as err:
+        jaxmem.optimize(w.step, budget=a.argument_bytes + 1, donate_argnums=(0,)).plan(*w.args)
+    lowest = err.value.minimum_bytes
+    budget = int(0.9 * lowest)
+    with pytest.raises(BudgetError):
+        jaxmem.optimize(w.step, budget=budget, donate_argnums=(0,)).plan(*w.args)
+    opt = jaxmem.optimize(w.step, budget=Budget(budget, profile="cpu"), offload=True,
+                          donate_argnums=(0,))
+    plan = opt.plan(*w.args)
+    assert plan.offload
+    note = next(n for n in plan.notes if "predicted device peak" in n)
+    assert "CPU compile strips host placement" in note
+    assert plan.compiled.peak > budget  # CPU still counts the offloaded values
+    _check_offloaded(opt, w.args, len(plan.offload))
