@@ -183,7 +183,8 @@ _DESCRIPTIONS: dict[str, str] = {
     "unet": "U-Net segmentation: conv-BN-relu, maxpool, convT up, skip concat; per-pixel CE; adam",
     "transformer": "GPT decoder: LN, causal attention, gelu MLP, dropout, residuals; adamw",
     "transformer_scan": "GPT decoder, layers stacked with nn.scan (one lax.scan); adamw",
-    "nnx_mlp": "flax nnx residual MLP with dropout, nnx.split/merge in a pure step; adam",
+    "nnx_mlp": "flax nnx residual MLP with dropout, nnx.split/merge in a pure step, forward "
+    "under jaxmem.flax.nnx.named_scopes; adam",
 }
 
 
@@ -926,8 +927,13 @@ def _build_nnx_mlp(
     tx = optax.adam(1e-3)
 
     def loss_fn(params, rest, batch, dropout_key):
+        from jaxmem.flax.nnx import named_scopes
+
         model = nnx.merge(graphdef, params, rest)
-        logits = model(batch["x"], dropout_key, policy)
+        # Layer paths in the name stack (``blocks/3/up``), as nnx users are told to do
+        # (docs/entry_points.md): what linen gives for free, and what block plans need.
+        with named_scopes(model):
+            logits = model(batch["x"], dropout_key, policy)
         return _cross_entropy(logits, batch["y"])
 
     def loss_and_grads(state: State, batch: Batch) -> tuple[jax.Array, PyTree]:
