@@ -126,6 +126,14 @@ def host_space() -> Any:
     return jax.memory.Space.Host
 
 
+def memory_kinds() -> frozenset[str]:
+    """Memory kinds of the default device (``device``, ``pinned_host``, ...)."""
+    try:
+        return frozenset(m.kind for m in jax.devices()[0].addressable_memories())
+    except Exception:  # noqa: BLE001 - a backend without the memories API
+        return frozenset()
+
+
 def default_backend_initialized() -> bool:
     """Whether an XLA backend has already been created in this process."""
     from jax._src import xla_bridge

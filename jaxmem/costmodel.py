@@ -141,6 +141,29 @@ def offload_tagged(analysis: Analysis) -> frozenset[int]:
                      if r.value in tagged and r.is_activation)
 
 
+def offload_tags_out_of_reach(analysis: Analysis) -> list[tuple[str, str, str]]:
+    """``(tag, unit primitive, layer)`` for each ``jaxmem.offload_name`` tag inside a
+    control-flow unit (a ``lax.scan``/``while``/``cond`` body, a custom-derivative call): the
+    joint rewrite keeps units whole, so such a value stays on the device."""
+    from jaxmem import _jax
+
+    out: list[tuple[str, str, str]] = []
+
+    def walk(jaxpr: Any, unit: str, layer: str) -> None:
+        for e in jaxpr.eqns:
+            name = str(e.params.get("name", "")) if e.primitive.name == "name" else ""
+            if name.startswith(OFFLOAD_PREFIX):
+                out.append((name[len(OFFLOAD_PREFIX):], unit, layer))
+            for sub in _jax.sub_jaxprs(e):
+                walk(sub, unit, layer)
+
+    for n in analysis.program.nodes:
+        if n.kind in ("control", "unknown") or _jax.sub_jaxprs(n.eqn):
+            for sub in _jax.sub_jaxprs(n.eqn):
+                walk(sub, n.primitive, n.layer)
+    return out
+
+
 class CostModel:
     """Cost and peak predictions for recompute/offload decisions on one :class:`Analysis`."""
 

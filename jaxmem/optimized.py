@@ -214,6 +214,7 @@ class Optimized:
         else:
             program = trace(fn, *dyn_args, **kwargs)
         analysis = from_program(program)
+        self._check_offload(analysis)
         if not program.has_backward:
             if not self._warned_no_backward:
                 warnings.warn(
@@ -263,6 +264,26 @@ class Optimized:
         jitted = plain if plan.strategy == "none" else jit_plan(plan)
         return _Entry(analysis=analysis, plan=plan, jitted=jitted, donate_flat=donate_flat,
                       plain=plain)
+
+    def _check_offload(self, analysis: Analysis) -> None:
+        """Offload needs a host memory kind; tags the rewrite cannot reach are reported."""
+        from jaxmem import _jax
+        from jaxmem.costmodel import offload_tagged, offload_tags_out_of_reach
+
+        far = offload_tags_out_of_reach(analysis)
+        wanted = self.offload in (True, "auto") or offload_tagged(analysis)
+        if wanted and "pinned_host" not in (kinds := _jax.memory_kinds()):
+            raise ValueError(
+                f"jaxmem.optimize: offload needs a 'pinned_host' memory kind, but the "
+                f"{jax.default_backend()} device has {sorted(kinds) or 'none'}; pass "
+                "offload=False (and remove jaxmem.offload_name tags), or run on a backend "
+                "with host memory (GPU, TPU, CPU)")
+        for tag, unit, layer in far:
+            warnings.warn(
+                f"jaxmem.optimize: offload_name({tag!r}) is inside a {unit} "
+                f"(layer {layer or '<top>'}); the joint rewrite keeps control flow whole, so "
+                "that value was kept on the device. To offload inside a loop body, wrap the "
+                "body in jaxmem.checkpoint(body, budget=..., offload=True).", stacklevel=5)
 
     def _verified(self, plan: Plan, analysis: Analysis, jit_plan: Callable[[Plan], Any],
                   plain: Any, dyn_args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:

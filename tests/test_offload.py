@@ -187,3 +187,35 @@ def test_offload_fits_below_what_recompute_reaches():
     assert "CPU compile strips host placement" in note
     assert plan.compiled.peak > budget  # CPU still counts the offloaded values
     _check_offloaded(opt, w.args, len(plan.offload))
+
+
+def test_offload_tag_inside_a_scan_body_warns_and_keeps_it():
+    """The joint rewrite keeps a lax.scan whole: a value tagged inside its body cannot be
+    offloaded by it. jaxmem says so, naming the tag, and the step stays exact."""
+    ws = jnp.stack([jnp.eye(8) * 0.5 + 0.01 * i for i in range(3)])
+    x = jnp.ones((4, 8))
+
+    def step(ws, x):
+        def loss(ws):
+            def body(h, w):
+                h = offload_name(jnp.tanh(h @ w), "in_scan")
+                return h, None
+            h, _ = jax.lax.scan(body, x, ws)
+            return jnp.sum(h ** 2)
+        return jax.grad(loss)(ws)
+
+    opt = jaxmem.optimize(step, offload=True, donate_argnums=())
+    with pytest.warns(UserWarning, match=r"offload_name\('in_scan'\) is inside a scan"):
+        out = opt(ws, x)
+    np.testing.assert_allclose(out, jax.jit(step)(ws, x), rtol=1e-6, atol=1e-6)
+
+
+def test_offload_needs_a_host_memory_kind(monkeypatch):
+    """On a backend without a pinned_host memory kind, asking for offload is a clear error."""
+    from jaxmem import _jax
+
+    step, args = _step(tag=False)
+    monkeypatch.setattr(_jax, "memory_kinds", lambda: frozenset({"device"}))
+    with pytest.raises(ValueError, match="pinned_host"):
+        jaxmem.optimize(step, offload=True).plan(*args)
+    jaxmem.optimize(step, offload=False).plan(*args)  # no offload asked: fine
