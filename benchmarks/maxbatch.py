@@ -217,6 +217,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--cap", type=int, default=32, help="largest multiple of the start batch "
                    "searched (default 32)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"default {DEFAULT_OUT}/")
+    p.add_argument("--update", action="store_true",
+                   help="re-measure only --models and merge them into the maxbatch.json "
+                   "already in --out (its other rows, and their commands, are kept)")
     a = p.parse_args(argv)
     a.size = a.size or ("test" if a.quick else "bench")
     a.tol = a.tol if a.tol is not None else (0.25 if a.quick else 1 / 16)
@@ -242,6 +245,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         # after every model, so a run stopped early keeps what it measured
         (args.out / "maxbatch.partial.json").write_text(json.dumps({"results": rows},
                                                                    indent=2))
+    commands = []
+    old = args.out / "maxbatch.json"
+    if args.update and old.exists():
+        prev = json.loads(old.read_text())
+        fresh = {r["model"] for r in rows}
+        rows = [r for r in prev["results"] if r["model"] not in fresh] + rows
+        order = {m: i for i, m in enumerate(zoo.names())}
+        rows.sort(key=lambda r: order.get(r["model"], len(order)))
+        commands = prev["meta"].get("commands", [prev["meta"].get("command")])
     table = markdown(rows)
     print(table)
     print(f"\nbudget = plain jax.jit's compiled peak at the {args.size} batch (so plain fits "
@@ -253,6 +265,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 size=args.size, tol=args.tol, cap=args.cap,
                 seconds=round(time.perf_counter() - t0, 1),
                 compiler_options=measure.compiler_options())
+    if commands:
+        meta["commands"] = [*commands, meta["command"]]
     (args.out / "maxbatch.json").write_text(json.dumps({"meta": meta, "results": rows},
                                                        indent=2))
     (args.out / "maxbatch.md").write_text(table + "\n")
