@@ -253,11 +253,34 @@ _SHARDED = textwrap.dedent("""
     plan = f.plan(state, x)
     assert plan.of(jaxmem.Decision.RECOMPUTE)
     assert plan.compiled.peak < plan.baseline.peak, plan
+    # offload keeps the sharding: tagged matmul inputs go to pinned_host, outputs (and their
+    # shardings) are the plain step's
+    def tagged(state, x):
+        params, opt = state
+        def loss(params):
+            h = x
+            for i, w in enumerate(params):
+                h = jaxmem.offload_name(h, f"h{i}")
+                h = h + jnp.tanh(h @ w)
+            return jnp.mean(h ** 2)
+        l, g = jax.value_and_grad(loss)(params)
+        u, opt = tx.update(g, opt, params)
+        return (optax.apply_updates(params, u), opt), l
+    ref = jax.jit(tagged)(state, x)
+    g = jaxmem.optimize(tagged, donate_argnums=())
+    out = g(state, x)
+    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(out)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (a.sharding, b.sharding)
+    n = len(g.plan(state, x).offload)
+    text = g.trace(state, x).lower(lowering_platforms=("cuda",)).as_text()
+    assert n == 4 and text.count('_xla_buffer_placement = "pinned_host"') == n, n
     print("OK", plan.compiled.peak, plan.baseline.peak)
 """)
 
 
 def test_batch_sharded_step_on_8_host_devices():
+    """Remat and offload on a batch-sharded step: same outputs and shardings as plain jit."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, "-c", _SHARDED], env=env, capture_output=True,
