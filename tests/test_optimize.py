@@ -235,43 +235,33 @@ _SHARDED = textwrap.dedent("""
     tx = optax.sgd(0.1)
     state = (params, tx.init(params))
     x = jax.device_put(jax.random.normal(k, (4096, 128)), NamedSharding(mesh, P("data")))
-    def step(state, x):
-        params, opt = state
-        def loss(params):
-            h = x
-            for w in params:
-                h = h + jnp.tanh(jax.nn.gelu(h @ w))
-            return jnp.mean(h ** 2)
-        l, g = jax.value_and_grad(loss)(params)
-        u, opt = tx.update(g, opt, params)
-        return (optax.apply_updates(params, u), opt), l
-    ref = jax.jit(step)(state, x)
-    f = jaxmem.optimize(step, donate_argnums=())
-    out = f(state, x)
-    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(out)):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    def make_step(tag):
+        def step(state, x):
+            params, opt = state
+            def loss(params):
+                h = x
+                for i, w in enumerate(params):
+                    if tag:  # the matmul's input, read by the backward for dW
+                        h = jaxmem.offload_name(h, f"h{i}")
+                    h = h + jnp.tanh(jax.nn.gelu(h @ w))
+                return jnp.mean(h ** 2)
+            l, g = jax.value_and_grad(loss)(params)
+            u, opt = tx.update(g, opt, params)
+            return (optax.apply_updates(params, u), opt), l
+        return step
+    def same_as_jit(step):
+        f = jaxmem.optimize(step, donate_argnums=())
+        ref, out = jax.jit(step)(state, x), f(state, x)
+        for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(out)):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+            assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (a.sharding, b.sharding)
+        return f
+    f = same_as_jit(make_step(tag=False))
     plan = f.plan(state, x)
     assert plan.of(jaxmem.Decision.RECOMPUTE)
     assert plan.compiled.peak < plan.baseline.peak, plan
-    # offload keeps the sharding: tagged matmul inputs go to pinned_host, outputs (and their
-    # shardings) are the plain step's
-    def tagged(state, x):
-        params, opt = state
-        def loss(params):
-            h = x
-            for i, w in enumerate(params):
-                h = jaxmem.offload_name(h, f"h{i}")
-                h = h + jnp.tanh(h @ w)
-            return jnp.mean(h ** 2)
-        l, g = jax.value_and_grad(loss)(params)
-        u, opt = tx.update(g, opt, params)
-        return (optax.apply_updates(params, u), opt), l
-    ref = jax.jit(tagged)(state, x)
-    g = jaxmem.optimize(tagged, donate_argnums=())
-    out = g(state, x)
-    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(out)):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-        assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (a.sharding, b.sharding)
+    # offload keeps the sharding: tagged values go to pinned_host, one placement each
+    g = same_as_jit(make_step(tag=True))
     n = len(g.plan(state, x).offload)
     text = g.trace(state, x).lower(lowering_platforms=("cuda",)).as_text()
     assert n == 4 and text.count('_xla_buffer_placement = "pinned_host"') == n, n
