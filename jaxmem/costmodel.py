@@ -30,6 +30,7 @@ import jax
 import numpy as np
 
 from jaxmem.analysis import Analysis, materialised, replay_chain, storable
+from jaxmem.program import region_of
 
 #: The checkpoint-name prefix that marks a value for offloading (see ``offload_name``).
 OFFLOAD_PREFIX = "jaxmem_offload:"
@@ -158,9 +159,8 @@ def offload_tags_out_of_reach(analysis: Analysis) -> list[tuple[str, str, str]]:
                 walk(sub, unit, layer)
 
     for n in analysis.program.nodes:
-        if n.kind in ("control", "unknown") or _jax.sub_jaxprs(n.eqn):
-            for sub in _jax.sub_jaxprs(n.eqn):
-                walk(sub, n.primitive, n.layer)
+        for sub in _jax.sub_jaxprs(n.eqn):
+            walk(sub, n.primitive, n.layer)
     return out
 
 
@@ -321,13 +321,10 @@ class CostModel:
         if p is None:
             return 0.0
 
-        def block(layer: str) -> str:
-            return layer if region_depth is None else "/".join(layer.split("/")[:region_depth])
-
         users = [prog.nodes[i] for i in prog.users.get(v, ())]
-        blocks = {block(n.layer) for n in users if n.phase == "forward"}
+        blocks = {region_of(n, region_depth)[1] for n in users if n.phase == "forward"}
         first = next((n.index for n in prog.nodes if n.phase == "backward"
-                      and (v in n.inputs or block(n.layer) in blocks)), None)
+                      and (v in n.inputs or region_of(n, region_depth)[1] in blocks)), None)
         if first is None:
             return 0.0
         return max(0.0, self._cum[first] - self._cum[p + 1])

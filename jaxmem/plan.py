@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from jaxmem.analysis import (
     Analysis,
@@ -169,11 +169,7 @@ def recompute_cost(analysis: Analysis, dropped: Iterable[int],
     """
     prog = analysis.program
     dropped = frozenset(dropped)
-    residual_ids = {r.value for r in analysis.residuals} | set(keep)
-
-    def kept(v: int) -> bool:
-        return v not in dropped and (v in residual_ids or is_anchor(prog, v))
-
+    kept = _chain_start(analysis, dropped, keep)
     total, region, done = 0.0, None, set()
     for n in prog.nodes:
         if n.phase != "backward":
@@ -189,6 +185,15 @@ def recompute_cost(analysis: Analysis, dropped: Iterable[int],
                     done.add(i)
                     total += prog.nodes[i].flops
     return total
+
+
+def _chain_start(analysis: Analysis, dropped: frozenset[int],
+                 keep: Iterable[int] = ()) -> Callable[[int], bool]:
+    """Whether a recompute chain starts from ``v`` (as the rewrite replays it): a residual,
+    a value in ``keep`` or an anchor, that is not dropped."""
+    prog = analysis.program
+    kept_ids = {r.value for r in analysis.residuals} | set(keep)
+    return lambda v: v not in dropped and (v in kept_ids or is_anchor(prog, v))
 
 
 def chain_anchors(analysis: Analysis, r: Residual) -> set[int]:
@@ -322,18 +327,16 @@ def block_boundaries(program: Program, depth: int) -> frozenset[int]:
     A block is a layer path cut to ``depth`` parts (``"GPT/block3/attn"`` at depth 2 is
     ``"GPT/block3"``); top-level equations form one block of their own.
     """
-    def block(layer: str) -> str:
-        return "/".join(layer.split("/")[:depth])
-
     out: set[int] = set()
     for n in program.nodes:
         if n.phase != "forward":
             continue
-        here = block(n.layer)
+        here = region_of(n, depth)
         for v in n.inputs:
             p = program.values[v].producer
             if p is not None and program.nodes[p].phase == "forward" and \
-                    block(program.nodes[p].layer) != here and v not in program.constant_derived:
+                    region_of(program.nodes[p], depth) != here and \
+                    v not in program.constant_derived:
                 out.add(v)
     return frozenset(out)
 
@@ -408,11 +411,7 @@ def block_offload_candidates(analysis: Analysis, depth: int) -> frozenset[int]:
     prog = analysis.program
     blk = plan_blocks(analysis, depth)
     drop = blk.recompute
-    kept_ids = {r.value for r in analysis.residuals} | blk.keep
-
-    def kept(v: int) -> bool:
-        return v not in drop and (v in kept_ids or is_anchor(prog, v))
-
+    kept = _chain_start(analysis, drop, blk.keep)
     # what the backward pass reads of them: directly, or as the start of a block's replay
     used: set[int] = set()
     for n in prog.nodes:
