@@ -690,6 +690,7 @@ def host_correction(model: CostModel, plan: Plan, donated: bool = False) -> int:
 
 def plan_with_budget(analysis: Analysis, budget: Any, *, auto: Plan | None = None,
                      compile_plan: Callable[[Plan], Figures] | None = None,
+                     compile_plain: Callable[[], Figures] | None = None,
                      offload: bool | str = False, solver: str | None = None,
                      profile: DeviceProfile | str | None = None,
                      max_compiles: int | None = None, time_limit: float | None = None
@@ -702,6 +703,10 @@ def plan_with_budget(analysis: Analysis, budget: Any, *, auto: Plan | None = Non
       auto: the default (MEDL) plan, used in notes for comparison.
       compile_plan: ``plan -> Figures`` (rewrite, jit and compile the jaxmem way). Without it
         the plan is checked against the model only (and says so).
+      compile_plain: ``() -> Figures`` of the user's step under plain ``jax.jit``, compiled
+        the same way: what budget fractions and overheads are relative to. Default: the
+        rewritten step with nothing dropped (``compile_plan(plan_none(analysis))``), which
+        can already be smaller (lean substitutes, narrow masks kept narrow).
       offload: ``False`` (never offload, except values tagged with :func:`offload_name`),
         ``True`` or ``"auto"`` (the planner weighs offload against recompute).
       solver, profile, max_compiles, time_limit: override the :class:`Budget` settings.
@@ -717,7 +722,7 @@ def plan_with_budget(analysis: Analysis, budget: Any, *, auto: Plan | None = Non
     notes: list[str] = []
     base_plan = plan_none(analysis)
     if compile_plan is not None:
-        base_fig = compile_plan(base_plan)
+        base_fig = compile_plain() if compile_plain is not None else compile_plan(base_plan)
         plain = base_fig.peak
         compiles = 1
     else:
@@ -743,7 +748,8 @@ def plan_with_budget(analysis: Analysis, budget: Any, *, auto: Plan | None = Non
         return plan
 
     if plain <= requested and not forced:
-        return finish(frozenset(), frozenset(), "budget", base_fig,
+        fig = base_fig if compile_plain is None else compile_plan(base_plan)
+        return finish(frozenset(), frozenset(), "budget", fig,
                       [f"the plain-jit peak {fmt_bytes(plain)} already fits the budget "
                        f"{fmt_bytes(requested)}: nothing dropped (0% overhead)"])
 

@@ -238,6 +238,7 @@ class Optimized:
                          region_depth=p.region_depth)
             return jax.jit(fn, donate_argnums=donate_flat, **self.jit_kwargs)
 
+        plain = self._plain(fn, jax.tree_util.tree_structure((dyn_args, kwargs)), donate_flat)
         if self.budget is not None and program.has_backward and self.strategy != "none":
             from jaxmem import budget as budgeting
 
@@ -246,9 +247,12 @@ class Optimized:
             def compile_plan(p: Plan) -> Figures:
                 return measure.figures(measure.compile(jit_plan(p).lower(*flat)))
 
+            def compile_plain() -> Figures:
+                return measure.figures(measure.compile(plain.lower(*flat)))
+
             plan = budgeting.plan_with_budget(
                 analysis, self.budget, auto=plan, compile_plan=compile_plan,
-                offload=self.offload)
+                compile_plain=compile_plain, offload=self.offload)
             plan = dataclasses.replace(plan, donated=donated)
         elif program.has_backward and self.strategy != "none":
             from jaxmem import budget as budgeting
@@ -258,7 +262,6 @@ class Optimized:
             if self.offload is True or budgeting.offload_tagged(analysis):
                 plan = budgeting.plan_offload(analysis, plan, offload=self.offload)
                 plan = dataclasses.replace(plan, donated=donated)
-        plain = self._plain(fn, jax.tree_util.tree_structure((dyn_args, kwargs)), donate_flat)
         if (self.verify and self.budget is None and plan.recompute and not plan.offload):
             plan = self._verified(plan, analysis, jit_plan, plain, dyn_args, kwargs)
         jitted = plain if plan.strategy == "none" else jit_plan(plan)

@@ -26,14 +26,18 @@ from jax import lax
 from jaxmem import _jax
 from jaxmem.analysis import is_anchor, replay_chain
 from jaxmem.program import Node, Program, region_of
+from jaxmem.substitutes import substitute_for
 
 
 class _Replay:
     def __init__(self, program: Program, recompute: frozenset[int], offload: frozenset[int],
                  residuals: frozenset[int], prefetch: bool = True,
                  persist: frozenset[int] = frozenset(), pin: frozenset[int] = frozenset(),
-                 region_depth: int | None = None, route_kept: bool = False) -> None:
+                 region_depth: int | None = None, route_kept: bool = False,
+                 substitute: bool = True) -> None:
         self.p = program
+        self.substitutes = {n.index: fn for n in program.nodes
+                            if substitute and (fn := substitute_for(n.eqn)) is not None}
         self.depth = region_depth
         self.route = route_kept
         self.pin = pin
@@ -75,6 +79,12 @@ class _Replay:
                          if program.values[v].producer < starts[k - 1]]
                 if early:
                     self.ahead[starts[k - 1]] = early
+
+    def emit(self, n: Node, ins: list[Any]) -> list[Any]:
+        """Re-bind node ``n`` on ``ins`` (its lean substitute where there is one)."""
+        with _jax.user_context(n.eqn.source_info.traceback, n.stack):
+            sub = self.substitutes.get(n.index)
+            return sub(*ins) if sub is not None else _jax.bind(n.eqn, *ins)
 
     def routed(self, v: int) -> bool:
         """A kept value a backward region reads through its barrier (block mode)."""
@@ -138,8 +148,7 @@ class _Replay:
                 ins = [cache[v] if v in cache else env[v] for v in n.inputs]
             else:
                 ins = [env[v] for v in n.inputs]
-            with _jax.user_context(n.eqn.source_info.traceback, n.stack):
-                outs = _jax.bind(n.eqn, *ins)
+            outs = self.emit(n, ins)
             if n.phase == "forward" and any(o in self.pin for o in n.outputs):
                 outs = [lax.optimization_barrier(x) if o in self.pin else x
                         for o, x in zip(n.outputs, outs, strict=True)]
@@ -197,8 +206,7 @@ class _Replay:
         for i in nodes:
             n = self.p.nodes[i]
             ins = [local[v] if v in local else env[v] for v in n.inputs]
-            with _jax.user_context(n.eqn.source_info.traceback, n.stack):
-                outs = _jax.bind(n.eqn, *ins)
+            outs = self.emit(n, ins)
             for o, x in zip(n.outputs, outs, strict=True):
                 local[o] = x
                 # Block regions re-run a block once: later readers in the region reuse
@@ -245,7 +253,8 @@ def rewrite(program: Program, recompute: frozenset[int] = frozenset(),
             residuals: frozenset[int] | None = None, *, prefetch: bool = True,
             persist: frozenset[int] = frozenset(),
             pin_narrow: bool = True, region_depth: int | None = None,
-            route_kept: bool | None = None) -> Callable[..., list[Any]]:
+            route_kept: bool | None = None,
+            substitute: bool = True) -> Callable[..., list[Any]]:
     """A function of the program's flat inputs that recomputes / offloads as told.
 
     Args:
@@ -273,6 +282,8 @@ def rewrite(program: Program, recompute: frozenset[int] = frozenset(),
         layout for a weight gradient) into the forward pass and keep both. Default: on in
         block mode (``region_depth`` given), off otherwise (there it can force narrow masks
         XLA would re-derive to be stored; measured worse on DenseNet).
+      substitute: emit the equivalents in :mod:`jaxmem.substitutes` for primitives whose
+        XLA lowering holds large temporaries (max-pooling's derivative); same values.
     """
     if residuals is None:
         from jaxmem.analysis import find_residuals
@@ -287,5 +298,6 @@ def rewrite(program: Program, recompute: frozenset[int] = frozenset(),
     replay = _Replay(program, frozenset(recompute), frozenset(offload), frozenset(residuals),
                      prefetch=prefetch, persist=frozenset(persist) & frozenset(recompute),
                      pin=pin, region_depth=region_depth,
-                     route_kept=region_depth is not None if route_kept is None else route_kept)
+                     route_kept=region_depth is not None if route_kept is None else route_kept,
+                     substitute=substitute)
     return replay.run
