@@ -31,6 +31,7 @@ SECTIONS: list[tuple[str, str, list[str] | None]] = [
     ("jaxmem.flax.linen", "jaxmem.flax.linen", None),
     ("jaxmem.flax.nnx", "jaxmem.flax.nnx", None),
     ("jaxmem.measure", "jaxmem.measure", None),
+    ("jaxmem.substitutes", "jaxmem.substitutes", ["select_and_scatter_add", "substitute_for"]),
     ("jaxmem.managed_memory", "jaxmem.managed_memory", None),
     ("jaxmem.zoo", "jaxmem.zoo", None),
     ("Command line (python -m jaxmem)", "jaxmem.__main__", ["main", "load_target"]),

@@ -748,8 +748,7 @@ def plan_with_budget(analysis: Analysis, budget: Any, *, auto: Plan | None = Non
         return plan
 
     if plain <= requested and not forced:
-        fig = base_fig if compile_plain is None else compile_plan(base_plan)
-        return finish(frozenset(), frozenset(), "budget", fig,
+        return finish(frozenset(), frozenset(), "budget", base_fig,
                       [f"the plain-jit peak {fmt_bytes(plain)} already fits the budget "
                        f"{fmt_bytes(requested)}: nothing dropped (0% overhead)"])
 

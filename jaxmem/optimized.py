@@ -264,7 +264,10 @@ class Optimized:
                 plan = dataclasses.replace(plan, donated=donated)
         if (self.verify and self.budget is None and plan.recompute and not plan.offload):
             plan = self._verified(plan, analysis, jit_plan, plain, dyn_args, kwargs)
-        jitted = plain if plan.strategy == "none" else jit_plan(plan)
+        # A budget the plain step already fits drops nothing: run the plain step itself (its
+        # figures are the ones the budget was checked against).
+        nothing = self.budget is not None and not (plan.recompute or plan.offload)
+        jitted = plain if plan.strategy == "none" or nothing else jit_plan(plan)
         return _Entry(analysis=analysis, plan=plan, jitted=jitted, donate_flat=donate_flat,
                       plain=plain)
 

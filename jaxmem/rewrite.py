@@ -8,7 +8,11 @@ program is replayed equation by equation and
   from the values the plan keeps, behind ``lax.optimization_barrier`` tied to that region's
   cotangents, so XLA can neither merge it back into the forward pass (CSE) nor hoist it;
 - a residual marked OFFLOAD is copied to ``pinned_host`` after it is made and back to the
-  device one backward region before it is read (prefetch).
+  device one backward region before it is read (prefetch);
+- a primitive with a lean equivalent in :mod:`jaxmem.substitutes` (max-pooling's
+  derivative) is emitted as that equivalent;
+- where a concatenation's cotangent is split across backward regions, the cotangents that
+  cross regions are materialised where they are made (:func:`crossing_cotangents`).
 
 Each chain is re-emitted once per backward region (a run of backward nodes of one layer),
 not once per reading equation. Every equation is re-bound under its original name stack
