@@ -327,18 +327,7 @@ def block_boundaries(program: Program, depth: int) -> frozenset[int]:
     A block is a layer path cut to ``depth`` parts (``"GPT/block3/attn"`` at depth 2 is
     ``"GPT/block3"``); top-level equations form one block of their own.
     """
-    out: set[int] = set()
-    for n in program.nodes:
-        if n.phase != "forward":
-            continue
-        here = region_of(n, depth)
-        for v in n.inputs:
-            p = program.values[v].producer
-            if p is not None and program.nodes[p].phase == "forward" and \
-                    region_of(program.nodes[p], depth) != here and \
-                    v not in program.constant_derived:
-                out.add(v)
-    return frozenset(out)
+    return program.crossing("forward", depth)
 
 
 def block_depths(program: Program) -> tuple[int, ...]:

@@ -108,6 +108,23 @@ class Program:
                 out.update(n.outputs)
         return frozenset(out)
 
+    def crossing(self, phase: Phase, depth: int | None = None) -> frozenset[int]:
+        """Ids of values made by ``phase`` nodes of one region and read by ``phase`` nodes of
+        another (regions: layer paths cut to ``depth`` parts, :func:`region_of`); values made
+        from constants alone are left out."""
+        out: set[int] = set()
+        for n in self.nodes:
+            if n.phase != phase:
+                continue
+            here = region_of(n, depth)
+            for v in n.inputs:
+                u = self.values[v].producer
+                if u is not None and self.nodes[u].phase == phase and \
+                        region_of(self.nodes[u], depth) != here and \
+                        v not in self.constant_derived:
+                    out.add(v)
+        return frozenset(out)
+
     @property
     def has_backward(self) -> bool:
         return any(n.phase == "backward" for n in self.nodes)

@@ -245,18 +245,7 @@ def crossing_cotangents(program: Program, region_depth: int | None = None) -> fr
     re-created activations, ReLU derivatives — stay live across every later region; on the
     zoo DenseNet three layers' worth at once. :func:`rewrite` can pass these values through
     an ``optimization_barrier`` where they are made (``cut_cotangents``)."""
-    out: set[int] = set()
-    for n in program.nodes:
-        if n.phase != "backward":
-            continue
-        here = region_of(n, region_depth)
-        for v in n.inputs:
-            u = program.values[v].producer
-            if u is not None and program.nodes[u].phase == "backward" and \
-                    region_of(program.nodes[u], region_depth) != here and \
-                    v not in program.constant_derived:
-                out.add(v)
-    return frozenset(out)
+    return program.crossing("backward", region_depth)
 
 
 def narrow_residuals(program: Program, kept: frozenset[int]) -> frozenset[int]:
