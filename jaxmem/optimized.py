@@ -244,15 +244,10 @@ class Optimized:
 
             flat = jax.tree_util.tree_leaves((dyn_args, kwargs))
 
-            def compile_plan(p: Plan) -> Figures:
-                return measure.figures(measure.compile(jit_plan(p).lower(*flat)))
-
-            def compile_plain() -> Figures:
-                return measure.figures(measure.compile(plain.lower(*flat)))
-
             plan = budgeting.plan_with_budget(
-                analysis, self.budget, auto=plan, compile_plan=compile_plan,
-                compile_plain=compile_plain, offload=self.offload)
+                analysis, self.budget, auto=plan,
+                compile_plan=lambda p: _figures(jit_plan(p), flat),
+                compile_plain=lambda: _figures(plain, flat), offload=self.offload)
             plan = dataclasses.replace(plan, donated=donated)
         elif program.has_backward and self.strategy != "none":
             from jaxmem import budget as budgeting
@@ -301,7 +296,7 @@ class Optimized:
         peak, the plain step is kept, with a warning and a note in the plan.
         """
         flat = jax.tree_util.tree_leaves((dyn_args, kwargs))
-        base = measure.figures(measure.compile(plain.lower(*flat)))
+        base = _figures(plain, flat)
         variants = [plan]
         strict = planning.plan_auto(analysis, max_recompute_fraction=self.max_recompute_fraction,
                                     max_layer_fraction=0.05)
@@ -309,7 +304,7 @@ class Optimized:
             variants.append(dataclasses.replace(strict, donated=plan.donated))
         best, best_fig = None, None
         for p in variants:
-            fig = measure.figures(measure.compile(jit_plan(p).lower(*flat)))
+            fig = _figures(jit_plan(p), flat)
             if best_fig is None or (fig.peak, fig.flops) < (best_fig.peak, best_fig.flops):
                 best, best_fig = p, fig
         if best_fig.peak < base.peak:
@@ -324,13 +319,18 @@ class Optimized:
 
     def _baseline(self, entry: _Entry, flat: list[Any]) -> Figures:
         """Plain ``jax.jit`` of the user's step, compiled the same way (same donation)."""
-        return measure.figures(measure.compile(entry.plain.lower(*flat)))
+        return _figures(entry.plain, flat)
 
     def _plain(self, fn: Callable[..., Any], in_tree: Any, donate_flat: tuple[int, ...]) -> Any:
         def flat_fn(*leaves: Any) -> Any:
             a, k = jax.tree_util.tree_unflatten(in_tree, leaves)
             return jax.tree_util.tree_leaves(fn(*a, **k))
         return jax.jit(flat_fn, donate_argnums=donate_flat, **self.jit_kwargs)
+
+
+def _figures(jitted: Any, flat: Sequence[Any]) -> Figures:
+    """Compiled figures of ``jitted`` on the flat arguments, compiled the jaxmem way."""
+    return measure.figures(measure.compile(jitted.lower(*flat)))
 
 
 def _flat_positions(dyn_args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -41,16 +41,14 @@ def _lowered(name: str, **kw):
 def test_cutting_split_cotangents_lowers_a_densenet_peak_and_keeps_values():
     w, prog, _, _ = _setup("densenet")
     assert crossing_cotangents(prog)
-    peaks = {}
+    peaks, fns = {}, {}
     for cut in (False, True, None):
-        _, lowered = _lowered("densenet", cut_cotangents=cut)
+        fns[cut], lowered = _lowered("densenet", cut_cotangents=cut)
         peaks[cut] = measure.figures(measure.compile(lowered)).peak
     assert peaks[True] < peaks[False]
     assert peaks[None] == peaks[True]  # on by default: the concatenation's cotangent is split
     flat = jax.tree.leaves(w.args)
-    fn, _ = _lowered("densenet", cut_cotangents=True)
-    ref, _ = _lowered("densenet", cut_cotangents=False)
-    got, want = jax.jit(fn)(*flat), jax.jit(ref)(*flat)
+    got, want = jax.jit(fns[True])(*flat), jax.jit(fns[False])(*flat)
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
