@@ -34,10 +34,14 @@ class Lowered:
     Everything else is delegated to the wrapped object.
     """
 
-    def __init__(self, lowered: Any) -> None:
+    def __init__(self, lowered: Any, compiled: Any = None) -> None:
         self._lowered = lowered
+        self._compiled = compiled  # the same program, already compiled the jaxmem way
 
     def compile(self, compiler_options: dict[str, Any] | None = None) -> Any:
+        if self._compiled is not None and (not compiler_options or compiler_options ==
+                measure.compiler_options(measure._platform_of(self._lowered))):  # noqa: SLF001
+            return self._compiled
         return measure.compile(self._lowered, compiler_options)
 
     def __getattr__(self, name: str) -> Any:
@@ -123,7 +127,7 @@ class Optimized:
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Like ``jax.jit(f).lower``; ``.compile()`` on the result applies jaxmem's options."""
         entry, flat, _ = self._prepare(args, kwargs)
-        return Lowered(entry.jitted.lower(*flat))
+        return Lowered(entry.jitted.lower(*flat), entry.compiled)
 
     def trace(self, *args: Any, **kwargs: Any) -> Any:
         """Like ``jax.jit(f).trace``: a ``jax.stages.Traced`` of the rewritten step."""
@@ -257,14 +261,15 @@ class Optimized:
             if self.offload is True or budgeting.offload_tagged(analysis):
                 plan = budgeting.plan_offload(analysis, plan, offload=self.offload)
                 plan = dataclasses.replace(plan, donated=donated)
+        compiled = None
         if (self.verify and self.budget is None and plan.recompute and not plan.offload):
-            plan = self._verified(plan, analysis, jit_plan, plain, dyn_args, kwargs)
+            plan, compiled = self._verified(plan, analysis, jit_plan, plain, dyn_args, kwargs)
         # A budget the plain step already fits drops nothing: run the plain step itself (its
         # figures are the ones the budget was checked against).
         nothing = self.budget is not None and not (plan.recompute or plan.offload)
         jitted = plain if plan.strategy == "none" or nothing else jit_plan(plan)
         return _Entry(analysis=analysis, plan=plan, jitted=jitted, donate_flat=donate_flat,
-                      plain=plain)
+                      plain=plain, compiled=compiled)
 
     def _check_offload(self, analysis: Analysis) -> None:
         """Offload needs a host memory kind; tags the rewrite cannot reach are reported."""
@@ -287,8 +292,10 @@ class Optimized:
                 "body in jaxmem.checkpoint(body, budget=..., offload=True).", stacklevel=5)
 
     def _verified(self, plan: Plan, analysis: Analysis, jit_plan: Callable[[Plan], Any],
-                  plain: Any, dyn_args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
-        """Compile a few variants of the MEDL plan and the plain step; keep the best.
+                  plain: Any, dyn_args: tuple[Any, ...], kwargs: dict[str, Any]
+                  ) -> tuple[Plan, Any]:
+        """Compile a few variants of the MEDL plan and the plain step; keep the best, and
+        return its executable with it (the first call runs it instead of compiling again).
 
         The variants differ in how much recompute one residual may cost against its layer
         (strict: 5% of the layer's heavy FLOPs; lenient: 50%): a plan that drops more is not
@@ -296,26 +303,28 @@ class Optimized:
         peak, the plain step is kept, with a warning and a note in the plan.
         """
         flat = jax.tree_util.tree_leaves((dyn_args, kwargs))
-        base = _figures(plain, flat)
+        base_exe = measure.compile(plain.lower(*flat))
+        base = measure.figures(base_exe)
         variants = [plan]
         strict = planning.plan_auto(analysis, max_recompute_fraction=self.max_recompute_fraction,
                                     max_layer_fraction=0.05)
         if strict.recompute and strict.recompute != plan.recompute:
             variants.append(dataclasses.replace(strict, donated=plan.donated))
-        best, best_fig = None, None
+        best, best_fig, best_exe = None, None, None
         for p in variants:
-            fig = _figures(jit_plan(p), flat)
+            exe = measure.compile(jit_plan(p).lower(*flat))
+            fig = measure.figures(exe)
             if best_fig is None or (fig.peak, fig.flops) < (best_fig.peak, best_fig.flops):
-                best, best_fig = p, fig
+                best, best_fig, best_exe = p, fig, exe
         if best_fig.peak < base.peak:
-            return best.with_figures(best_fig, base)
+            return best.with_figures(best_fig, base), best_exe
         none = dataclasses.replace(planning.plan_none(analysis), donated=plan.donated)
         note = (f"the {plan.strategy!r} plan compiled to a peak of {fmt_bytes(best_fig.peak)}, "
                 f"not below the plain step's {fmt_bytes(base.peak)}: kept the plain step "
                 "(pass verify=False to force the plan, or try a budget)")
         warnings.warn(f"jaxmem.optimize: {note}", stacklevel=5)
         return dataclasses.replace(none, notes=plan.notes + (note,), compiled=base,
-                                   baseline=base)
+                                   baseline=base), base_exe
 
     def _baseline(self, entry: _Entry, flat: list[Any]) -> Figures:
         """Plain ``jax.jit`` of the user's step, compiled the same way (same donation)."""

@@ -79,6 +79,14 @@ def test_lower_compile_reflects_the_plan(workloads):
     base = measure.measure(jax.jit(step), state, x, y)
     assert got.temp < base.temp
     assert "optimization_barrier" in opt.lower(state, x, y).as_text()
+    # verify compiled the chosen plan already: lower().compile() with jaxmem's own options
+    # hands back that executable, and other options compile afresh.
+    lowered = opt.lower(state, x, y)
+    exe = lowered.compile()
+    assert lowered.compile(measure.compiler_options()) is exe
+    assert opt.lower(state, x, y).compile() is exe
+    assert measure.figures(exe) == got
+    assert lowered.compile({"xla_cpu_enable_fast_math": False}) is not exe
 
 
 def test_strategy_none_is_plain_jit(workloads):
