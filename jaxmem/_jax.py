@@ -243,6 +243,31 @@ def cuda_plugin_installed() -> bool:
     return False
 
 
+def lowered_platform(lowered: Any) -> str | None:
+    """The platform a ``jax.stages.Lowered`` compiles for (``cpu``, ``cuda``, ``rocm``,
+    ``tpu``), or None if this jax does not say. Arguments on topology devices lower for
+    their target, not for the default backend."""
+    low = getattr(lowered, "_lowering", None)
+    platforms = getattr(low, "_platforms", None)
+    if platforms:
+        return str(platforms[0]).lower()
+    backend = getattr(low, "compile_args", {}).get("backend") if low is not None else None
+    name = getattr(backend, "platform", None)
+    if name:
+        return "cuda" if name == "gpu" else str(name)
+    return None
+
+
+def libtpu_installed() -> bool:
+    """True if libtpu (TPU compiler and runtime, ``jax[tpu]``) is installed."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("libtpu") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def shard_buffers(x: Any) -> list[tuple[Any, int, int]]:
     """``[(device, raw pointer, bytes on device)]`` for each addressable shard of an array.
 

@@ -28,10 +28,9 @@ def compiler_options(platform: str | None = None) -> dict[str, str]:
 
 
 def _platform_of(lowered: Any) -> str:
-    try:
-        return lowered._lowering.compile_args["platforms"][0]  # noqa: SLF001
-    except Exception:  # noqa: BLE001 - fall back to the default backend
-        return jax.default_backend()
+    from jaxmem import _jax
+
+    return _jax.lowered_platform(lowered) or jax.default_backend()
 
 
 def compile(lowered: Any, options: dict[str, Any] | None = None) -> Any:  # noqa: A001
