@@ -257,7 +257,7 @@ def _layer_params(cfg: LlamaConfig) -> dict[str, dict[str, tuple[tuple[int, ...]
     }
 
 
-def _layer(x: jax.Array, p: dict[str, dict[str, jax.Array]], cfg: LlamaConfig,
+def decoder_layer(x: jax.Array, p: dict[str, dict[str, jax.Array]], cfg: LlamaConfig,
            drop=None) -> jax.Array:
     """One decoder layer: ``h = x + attn(norm(x))``, ``out = h + mlp(norm(h))``.
 
@@ -302,7 +302,7 @@ class LlamaLayer(nn.Module):
         drop = None
         if self.cfg.dropout:
             drop = nn.Dropout(self.cfg.dropout, deterministic=False, name="dropout")
-        return _layer(x, p, self.cfg, drop)
+        return decoder_layer(x, p, self.cfg, drop)
 
 
 class _ScanLayer(nn.Module):
@@ -414,7 +414,7 @@ class NNXLlamaLayer(nnx.Module):
         p = {scope: {name: v[...] for name, v in getattr(self, scope).items()}
              for scope in _layer_params(self.cfg)}
         drop = None if self.drop is None else functools.partial(self.drop, rngs=key)
-        return _layer(x, p, self.cfg, drop)
+        return decoder_layer(x, p, self.cfg, drop)
 
 
 class NNXLlama(nnx.Module):
