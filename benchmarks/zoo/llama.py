@@ -62,11 +62,13 @@ from jaxmem.zoo import (
 )
 
 __all__ = [
+    "BUILDERS",
     "CONFIGS",
     "DESCRIPTIONS",
     "PRESETS",
     "SIZES",
     "LlamaConfig",
+    "decoder_layer",
     "make",
     "make_preset",
     "model_config",
@@ -143,7 +145,12 @@ class LlamaConfig:
 
 
 def model_config(size: str, **overrides: Any) -> LlamaConfig:
-    """The :class:`LlamaConfig` of ``size`` (one of :data:`SIZES`), with ``overrides``."""
+    """The :class:`LlamaConfig` of ``size`` (one of :data:`SIZES`), with ``overrides``.
+
+    Example:
+      >>> model_config("8b").head_dim, model_config("test", layers=4).layers
+      (128, 4)
+    """
     if size not in SIZES:
         raise ValueError(f"size must be one of {SIZES}, got {size!r}")
     cfg = {k: v for k, v in _SIZES[size].items() if k not in ("batch", "seq")}
@@ -258,11 +265,19 @@ def _layer_params(cfg: LlamaConfig) -> dict[str, dict[str, tuple[tuple[int, ...]
 
 
 def decoder_layer(x: jax.Array, p: dict[str, dict[str, jax.Array]], cfg: LlamaConfig,
-           drop=None) -> jax.Array:
+                  drop: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
     """One decoder layer: ``h = x + attn(norm(x))``, ``out = h + mlp(norm(h))``.
 
-    ``p`` holds :func:`_layer_params`' parameters as arrays; ``drop`` (or None) is dropout on
-    the layer's output, where MaxText applies it.
+    The function every variant's layer calls, tagged with MaxText's names (a ``jax.checkpoint``
+    of it with a :data:`PRESETS` policy is one MaxText layer). ``p`` holds one layer's
+    parameters as ``llama``'s ``params["layer_0"]`` does; ``drop`` (or None) is dropout on the
+    layer's output, where MaxText applies it.
+
+    Example:
+      >>> w = make("llama", size="test", abstract=True)
+      >>> p = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), w.state["params"]["layer_0"])
+      >>> decoder_layer(jnp.ones((1, 4, 32), jnp.bfloat16), p, model_config("test")).dtype
+      dtype(bfloat16)
     """
     x = checkpoint_name(x, "decoder_layer_input")
     with jax.named_scope("attention"):
@@ -502,7 +517,8 @@ def _build_nnx_scan(*, key, rng, seed, policy, abstract, batch, seq, **model):
 
 
 # --------------------------------------------------------------------------------------------
-# Entry points (until the zoo registry lists these builders)
+# Entry points. make() repeats jaxmem.zoo.make's checks for these builders until the zoo's
+# registry lists them; Workload.with_remat needs that registry too.
 # --------------------------------------------------------------------------------------------
 
 #: The zoo builder of each variant: ``(key, rng, seed, policy, abstract, batch, seq, **config)
@@ -550,12 +566,14 @@ def make(
     if size not in SIZES:
         raise ValueError(f"size must be one of {SIZES}, got {size!r}")
     cfg = dict(_SIZES[size])
-    unknown = sorted(set(overrides) - set(cfg) - {f.name for f in dataclasses.fields(LlamaConfig)})
+    settings = set(cfg) | {f.name for f in dataclasses.fields(LlamaConfig)}
+    unknown = sorted(set(overrides) - settings)
     if unknown:
-        raise ValueError(f"llama has no setting(s) {unknown}; its settings are "
-                         f"{sorted(set(cfg) | {f.name for f in dataclasses.fields(LlamaConfig)})}")
+        raise ValueError(f"llama has no setting(s) {unknown}; its settings are {sorted(settings)}")
     cfg.update(overrides)
     if batch is not None:
+        if batch < 1:
+            raise ValueError(f"batch must be >= 1, got {batch}")
         cfg["batch"] = int(batch)
     step, loss_and_grads, state, data, n_blocks = BUILDERS[name](
         key=jax.random.key(seed, impl="rbg"), rng=jax.random.PRNGKey(seed), seed=seed,
