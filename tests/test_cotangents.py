@@ -14,7 +14,8 @@ import functools
 import jax
 import numpy as np
 
-from jaxmem import measure, zoo
+from benchmarks import zoo
+from jaxmem import measure
 from jaxmem.analysis import from_program
 from jaxmem.plan import plan_auto
 from jaxmem.program import trace

@@ -133,7 +133,7 @@ def test_block_plan_offloads_boundary_values():
     layer inputs, recompute the rest"): each comes back for the block whose replay starts from
     it. One pinned_host placement and one fetch per offloaded value in the CUDA lowering, host
     avals in the rewritten jaxpr, outputs identical to the plain step (dropout included)."""
-    from jaxmem import zoo
+    from benchmarks import zoo
     from jaxmem.analysis import from_program
     from jaxmem.plan import block_depths, block_offload_candidates, plan_blocks
     from jaxmem.rewrite import rewrite
@@ -168,7 +168,7 @@ def test_offload_fits_below_what_recompute_reaches():
     """Below the lowest peak save + recompute reaches (BudgetError without offload), offload
     lets the plan fit; on CPU the fit is checked against the predicted device peak, and every
     offloaded value is placed in pinned_host memory."""
-    from jaxmem import zoo
+    from benchmarks import zoo
     from jaxmem.budget import Budget, BudgetError
 
     w = zoo.make("mlp", size="test", abstract=True, depth=8, batch=1024)
