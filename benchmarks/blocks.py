@@ -21,7 +21,8 @@ import jax
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jaxmem import measure, zoo  # noqa: E402
+from benchmarks import zoo  # noqa: E402
+from jaxmem import measure  # noqa: E402
 from jaxmem.analysis import from_program  # noqa: E402
 from jaxmem.plan import block_depths, plan_blocks  # noqa: E402
 from jaxmem.program import trace  # noqa: E402

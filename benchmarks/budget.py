@@ -34,7 +34,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jaxmem  # noqa: E402
-from jaxmem import measure, zoo  # noqa: E402
+from benchmarks import zoo  # noqa: E402
+from jaxmem import measure  # noqa: E402
 from jaxmem.analysis import from_program  # noqa: E402
 from jaxmem.budget import Budget, BudgetError, CostModel, plan_segments, plan_with_budget  # noqa: E402
 from jaxmem.plan import plan_auto  # noqa: E402

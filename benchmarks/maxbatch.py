@@ -37,7 +37,8 @@ from typing import Any
 import jax
 
 import jaxmem
-from jaxmem import measure, zoo
+from benchmarks import zoo
+from jaxmem import measure
 
 DONATE = (0,)
 DEFAULT_OUT = Path("results/maxbatch")

@@ -71,7 +71,7 @@ def timelines(data: dict[str, Any], out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     import jaxmem
-    from jaxmem import zoo
+    from benchmarks import zoo
 
     paths = []
     seen: dict[str, dict[str, Any]] = {}

@@ -37,7 +37,8 @@ import jax
 import jax.numpy as jnp
 
 import jaxmem
-from jaxmem import measure, zoo
+from benchmarks import zoo
+from jaxmem import measure
 
 #: Every variant donates the train state (argument 0), so that peaks are comparable.
 DONATE_ARGNUMS: tuple[int, ...] = (0,)

@@ -33,7 +33,6 @@ SECTIONS: list[tuple[str, str, list[str] | None]] = [
     ("jaxmem.measure", "jaxmem.measure", None),
     ("jaxmem.substitutes", "jaxmem.substitutes", ["select_and_scatter_add", "substitute_for"]),
     ("jaxmem.managed_memory", "jaxmem.managed_memory", None),
-    ("jaxmem.zoo", "jaxmem.zoo", None),
     ("Command line (python -m jaxmem)", "jaxmem.__main__", ["main", "load_target"]),
 ]
 

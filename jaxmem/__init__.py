@@ -13,7 +13,7 @@ Public entry points (see README.md and docs/):
 - :mod:`jaxmem.managed_memory` — CUDA Unified Memory for XLA's GPU client.
 """
 
-from jaxmem import flax, managed_memory, measure, policies, primitives, program
+from jaxmem import managed_memory, measure, policies, primitives, program
 from jaxmem.analysis import Analysis, Residual, analyze
 from jaxmem.budget import Budget, BudgetError, offload_name, pareto
 from jaxmem.chunked import chunked, chunked_cross_entropy
@@ -24,6 +24,24 @@ from jaxmem.program import Program, TraceError, trace
 from jaxmem.remat import Checkpointed, checkpoint
 
 __version__ = "0.1.0.dev0"
+
+#: Submodules loaded on first attribute access: ``jaxmem.flax`` imports flax, which a user of
+#: ``jaxmem.optimize`` on a plain-JAX step should not pay for (about a second, and flax's own
+#: imports). ``import jaxmem.flax`` and ``from jaxmem import flax`` load it as usual.
+_LAZY_SUBMODULES = ("flax",)
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"jaxmem.{name}")  # also sets it as an attribute
+    raise AttributeError(f"module 'jaxmem' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY_SUBMODULES))
+
 
 __all__ = [
     "Analysis", "Budget", "BudgetError", "Checkpointed", "Choice", "Decision", "DeviceProfile",

@@ -17,7 +17,8 @@ Subcommands:
 
 ``TARGET`` names a train step and its arguments::
 
-      zoo:<name>[:size]          a jaxmem.zoo model (size: test, the default, or bench)
+      zoo:<name>[:size]          a model of the repository's zoo, benchmarks/zoo (size:
+                                 test, the default, or bench); run from a checkout
       pkg.module:make_step       a callable returning (step, args), or an object with
                                  .step and .args (a zoo Workload, say); called with no
                                  arguments (an attribute that already is such an object is
@@ -158,21 +159,24 @@ def _step_and_args(obj: Any, where: str) -> tuple[Callable[..., Any], tuple[Any,
         return obj[0], tuple(obj[1])
     raise TargetError(
         f"{where} gave {type(obj).__name__}; expected (step, args) or an object with .step "
-        "and .args (a jaxmem.zoo.Workload, say)"
+        "and .args (a benchmarks.zoo.Workload, say)"
     )
 
 
 def load_target(spec: str, batch: int | None = None) -> tuple[Callable[..., Any], tuple, str]:
     """Resolve a TARGET string to ``(step, args, label)``.
 
-    ``zoo:<name>[:size]`` builds :func:`jaxmem.zoo.make` (``batch`` overrides its batch);
-    ``module:attr`` / ``file.py:attr`` imports ``attr`` and, if it is not already a
-    ``(step, args)`` pair or a Workload-like object, calls it with no arguments (or with
-    ``batch=`` when given). The current directory is importable, as with ``python -m``.
+    ``zoo:<name>[:size]`` builds ``benchmarks.zoo.make`` (``batch`` overrides its batch):
+    the zoo ships with the repository's ``benchmarks/``, not with the installed library, so
+    these targets work from a checkout. ``module:attr`` / ``file.py:attr`` imports ``attr``
+    and, if it is not already a ``(step, args)`` pair or a Workload-like object, calls it
+    with no arguments (or with ``batch=`` when given). The current directory is importable,
+    as with ``python -m``.
     """
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     if spec.startswith("zoo:"):
-        from jaxmem import zoo
-
+        zoo = _zoo(spec)
         parts = spec.split(":")
         if len(parts) not in (2, 3) or not parts[1]:
             raise TargetError(f"{spec!r}: expected zoo:<name>[:size]")
@@ -187,8 +191,6 @@ def load_target(spec: str, batch: int | None = None) -> tuple[Callable[..., Any]
     if not sep or not mod_name or not attr:
         raise TargetError(f"{spec!r}: expected pkg.module:make_step, file.py:make_step or "
                           "zoo:<name>[:size]")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
     try:
         if mod_name.endswith(".py"):
             if not os.path.isfile(mod_name):
@@ -211,6 +213,28 @@ def load_target(spec: str, batch: int | None = None) -> tuple[Callable[..., Any]
         obj = obj(batch=batch) if batch is not None else obj()
     step, args = _step_and_args(obj, spec)
     return step, args, spec
+
+
+def _zoo(spec: str) -> Any:
+    """``benchmarks.zoo``, or a :class:`TargetError` saying where the zoo lives."""
+    try:
+        return importlib.import_module("benchmarks.zoo")
+    except ModuleNotFoundError as e:
+        # "The zoo is not here" and "a package the zoo needs is missing" are ours to explain;
+        # anything else failing inside the zoo is a bug and keeps its traceback.
+        if e.name in ("benchmarks", "benchmarks.zoo"):
+            raise TargetError(
+                f"{spec!r}: zoo targets need the model zoo, benchmarks/zoo, which ships with "
+                "the jaxmem repository, not with the installed package: run from a checkout "
+                "of the repository (its root as the current directory), or name your own "
+                "step as pkg.module:make_step or file.py:make_step"
+            ) from e
+        if e.name and e.name.partition(".")[0] not in ("benchmarks", "jaxmem"):
+            raise TargetError(
+                f"{spec!r}: the model zoo needs {e.name!r}, which is not installed: "
+                "pip install -e '.[test]' from the repository root"
+            ) from e
+        raise
 
 
 def _add_target(p: argparse.ArgumentParser) -> None:

@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _models import CNN, MLP, ResNet, make_loss
 
 import jaxmem
+from benchmarks.zoo.small import CNN, MLP, ResNet, make_loss
 from jaxmem import _jax, measure
 from jaxmem import primitives as P
 
@@ -119,7 +119,7 @@ def test_predicted_peak_within_20_percent(models, name):
 
 def test_predicted_peak_zoo_resnet_train_step():
     """The zoo's residual network (BatchNorm, relu, skip adds), whole train step."""
-    from jaxmem import zoo
+    from benchmarks import zoo
 
     w = zoo.make("resnet", size="test")
     a = jaxmem.analyze(w.step, *w.args)

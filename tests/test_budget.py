@@ -283,7 +283,8 @@ def test_persist_recomputes_a_segment_once():
 def zoo_blocks():
     """Zoo mlp (whole step) and GPT (loss and grads: dropout; adamw would amplify float
     reordering noise in near-zero gradients) at test size, with block plans compiled."""
-    from jaxmem import measure, zoo
+    from benchmarks import zoo
+    from jaxmem import measure
     from jaxmem.plan import block_depths, plan_auto, plan_blocks
     from jaxmem.rewrite import rewrite
 
@@ -349,7 +350,8 @@ def test_block_regions_read_kept_values_through_their_barrier():
     """In block mode each backward region reads the kept values it needs through its own
     barrier (as jax.checkpoint does), so XLA cannot hoist layout copies of them into the
     forward pass and keep both: on a conv+BN net that is a lower temp, same outputs."""
-    from jaxmem import measure, zoo
+    from benchmarks import zoo
+    from jaxmem import measure
     from jaxmem.plan import plan_blocks
     from jaxmem.rewrite import rewrite
 

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
-import sys
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -387,14 +384,3 @@ def test_wrapper_type_errors():
         jaxmem.flax.linen.chunked(_nnx_block(0), chunks=2)
     with pytest.raises(TypeError, match="linen.chunked"):
         jaxmem.flax.nnx.chunked(_Block(), chunks=2)
-
-
-# --- docstring examples -------------------------------------------------------------------------
-
-
-def test_docstring_examples(monkeypatch):
-    monkeypatch.setattr(jaxmem, "chunked", chunked, raising=False)
-    monkeypatch.setattr(jaxmem, "chunked_cross_entropy", chunked_cross_entropy, raising=False)
-    for name in ("jaxmem.chunked", "jaxmem.flax._chunking"):
-        res = doctest.testmod(sys.modules[name], optionflags=doctest.ELLIPSIS)
-        assert res.failed == 0 and res.attempted > 0, name

@@ -71,7 +71,7 @@ def test_target_forms(tmp_path):
     step, args, label = load_target("zoo:resnet:test", batch=2)
     assert callable(step) and args[1]["x"].shape[0] == 2 and "resnet" in label
     f = tmp_path / "workload.py"
-    f.write_text("from jaxmem import zoo\nW = zoo.make('mlp')\n")
+    f.write_text("from benchmarks import zoo\nW = zoo.make('mlp')\n")
     step, args, _ = load_target(f"{f}:W")  # an attribute that already is a Workload
     assert len(args) == 2
 
@@ -80,13 +80,29 @@ def test_target_forms(tmp_path):
     ("zoo:nope", "unknown zoo model"),
     ("zoo:mlp:huge", "size must be"),
     ("no_such_module_xyz:make", "cannot import"),
-    ("jaxmem.zoo:not_there", "no attribute"),
-    ("jaxmem.zoo:SIZES", "expected (step, args)"),
+    ("benchmarks.zoo:not_there", "no attribute"),
+    ("benchmarks.zoo:SIZES", "expected (step, args)"),
     ("justtext", "expected pkg.module:make_step"),
 ])
 def test_bad_targets_say_why(spec, words):
     with pytest.raises(TargetError, match=words.replace("(", r"\(").replace(")", r"\)")):
         load_target(spec)
+
+
+def test_zoo_target_outside_a_checkout_says_where_the_zoo_is(monkeypatch):
+    """The zoo ships with the repository's benchmarks/, not with the installed package."""
+    monkeypatch.setitem(sys.modules, "benchmarks.zoo", None)  # import raises, as outside
+    with pytest.raises(TargetError, match="checkout") as info:
+        load_target("zoo:mlp")
+    assert "file.py:make_step" in str(info.value)
+
+
+def test_zoo_target_without_optax_says_what_to_install(monkeypatch):
+    for name in [m for m in sys.modules if m.startswith("benchmarks.zoo")]:
+        monkeypatch.delitem(sys.modules, name)  # imported afresh, then put back
+    monkeypatch.setitem(sys.modules, "optax", None)  # import raises, as when not installed
+    with pytest.raises(TargetError, match=r"needs 'optax'.*\[test\]"):
+        load_target("zoo:mlp")
 
 
 def test_bad_target_exits_2_without_traceback(capsys):

@@ -3,6 +3,7 @@ host memory and by cross-lowering for CUDA; offload_name tags; outputs unchanged
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,8 +50,7 @@ def test_offload_name_tags_are_offloaded():
     assert len(off) == 3 and all("offload_name" in c.reason for c in off)
     _check_offloaded(opt, args, len(off))
     out, ref = opt(*args), jax.jit(step)(*args)
-    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref), strict=True):
-        np.testing.assert_array_equal(a, b)
+    chex.assert_trees_all_equal(out, ref)
 
 
 def test_offload_true_without_budget():
@@ -60,9 +60,7 @@ def test_offload_true_without_budget():
     n = len(plan.offload)
     assert n >= 1 and plan.strategy == "auto+offload"
     _check_offloaded(opt, args, n)
-    for a, b in zip(jax.tree.leaves(opt(*args)), jax.tree.leaves(jax.jit(step)(*args)),
-                    strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    chex.assert_trees_all_close(opt(*args), jax.jit(step)(*args), rtol=1e-6, atol=1e-6)
 
 
 def test_offload_with_budget_uses_predicted_device_peak():
@@ -121,8 +119,7 @@ def test_prefetch_fetches_one_region_early():
     d_late = _fetch_distances(jax.make_jaxpr(late)(*flat))
     assert len(d_early) == len(d_late) == len(off) == 3
     assert sum(d_early) > sum(d_late)      # fetched further ahead of the reading equation
-    for x, y in zip(jax.jit(early)(*flat), jax.jit(late)(*flat), strict=True):
-        np.testing.assert_array_equal(x, y)
+    chex.assert_trees_all_equal(jax.jit(early)(*flat), jax.jit(late)(*flat))
     st = jax.jit(early).trace(*flat).lower(lowering_platforms=("cuda",)).as_text()
     assert st.count('_xla_buffer_placement = "pinned_host"') == 3
     assert st.count('_xla_buffer_placement = "device"') == 3
@@ -133,7 +130,7 @@ def test_block_plan_offloads_boundary_values():
     layer inputs, recompute the rest"): each comes back for the block whose replay starts from
     it. One pinned_host placement and one fetch per offloaded value in the CUDA lowering, host
     avals in the rewritten jaxpr, outputs identical to the plain step (dropout included)."""
-    from jaxmem import zoo
+    from benchmarks import zoo
     from jaxmem.analysis import from_program
     from jaxmem.plan import block_depths, block_offload_candidates, plan_blocks
     from jaxmem.rewrite import rewrite
@@ -158,8 +155,7 @@ def test_block_plan_offloads_boundary_values():
             for v in e.outvars if getattr(v.aval, "memory_space", None) == jax.memory.Space.Host]
     assert len(host) == len(cands)
     ref = jax.tree.leaves(jax.jit(w.loss_and_grads)(*w.args))
-    for x, y in zip(ref, jax.jit(fn)(*flat), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    chex.assert_trees_all_equal(jax.tree.leaves(jax.jit(fn)(*flat)), ref)
     with pytest.raises(ValueError, match="block boundary"):
         plan_blocks(a, depth, offload={prog.inputs[0]})
 
@@ -168,7 +164,7 @@ def test_offload_fits_below_what_recompute_reaches():
     """Below the lowest peak save + recompute reaches (BudgetError without offload), offload
     lets the plan fit; on CPU the fit is checked against the predicted device peak, and every
     offloaded value is placed in pinned_host memory."""
-    from jaxmem import zoo
+    from benchmarks import zoo
     from jaxmem.budget import Budget, BudgetError
 
     w = zoo.make("mlp", size="test", abstract=True, depth=8, batch=1024)

@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _models import CNN, MLP, DropMLP, make_step
 
 import jaxmem
+from benchmarks.zoo.small import CNN, MLP, DropMLP, make_step
 from jaxmem import measure
 
 
@@ -57,7 +57,7 @@ def test_same_outputs_as_jit(workloads, name):
 def test_less_memory_and_bounded_flops(workloads, name):
     """Compiled (barrier flag on CPU), both with the train state donated."""
     if name == "zoo_resnet":
-        from jaxmem import zoo
+        from benchmarks import zoo
 
         w = zoo.make("resnet", size="test")
         step, args = w.step, w.args
@@ -304,7 +304,7 @@ def test_every_zoo_model_same_results(name):
     step (new params, momentum, batch stats, RNG) does too. Adam's first step is close to
     lr * sign(g), so for a parameter whose true gradient is zero (a bias feeding a norm) it
     turns float noise into +-lr: the Adam models are compared at the gradient instead."""
-    from jaxmem import zoo
+    from benchmarks import zoo
 
     w = zoo.make(name, size="test")
     ref = jax.jit(w.loss_and_grads)(*w.args)
@@ -330,8 +330,8 @@ def test_verify_keeps_the_plain_step_when_no_plan_is_smaller(workloads):
 
 def test_dropout_masks_are_kept_narrow():
     """A kept dropout mask is 1 byte per element; unpinned, XLA keeps its 4-byte uniform."""
+    from benchmarks import zoo
     from jaxmem import plan as planning
-    from jaxmem import zoo
     from jaxmem.analysis import from_program
     from jaxmem.program import trace
     from jaxmem.rewrite import narrow_residuals, rewrite

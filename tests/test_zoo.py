@@ -1,4 +1,4 @@
-"""The model zoo (jaxmem.zoo) and the benchmark runner (python -m benchmarks)."""
+"""The model zoo (benchmarks.zoo) and the benchmark runner (python -m benchmarks)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem import measure, zoo
+from benchmarks import zoo
+from jaxmem import measure
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = zoo.names()

@@ -1,4 +1,17 @@
-"""Small flax models shared by the analysis and optimize tests (not a test module)."""
+"""Tiny linen models and step builders for unit tests: not zoo workloads, not registered.
+
+Where :func:`benchmarks.zoo.make` gives a whole :class:`~benchmarks.zoo.Workload` (its own
+data, optimizer and state layout), these give the pieces a test composes itself: a model
+class, :func:`make_loss` (a scalar loss of ``(params, x)``) or :func:`make_step` (a train
+step of ``(state, x, y)`` with the optimizer the test chooses). Labels are ``arange % 10``.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from benchmarks.zoo.small import MLP, make_loss
+  >>> loss, params, rest = make_loss(MLP(width=8, depth=2), jnp.ones((4, 16)))
+  >>> bool(jnp.isfinite(jax.jit(loss)(params, jnp.ones((4, 16)))))
+  True
+"""
 
 from __future__ import annotations
 
@@ -9,6 +22,8 @@ import optax
 
 
 class MLP(nn.Module):
+    """``depth`` Dense+gelu layers and a 10-way Dense head."""
+
     width: int = 256
     depth: int = 4
 
@@ -33,6 +48,8 @@ class CNN(nn.Module):
 
 
 class Block(nn.Module):
+    """Residual conv block with LayerNorm and swish (no BatchNorm)."""
+
     channels: int
 
     @nn.compact
@@ -43,6 +60,8 @@ class Block(nn.Module):
 
 
 class ResNet(nn.Module):
+    """Conv stem, ``blocks`` :class:`Block` s, mean pool, 10-way Dense head."""
+
     blocks: int = 3
 
     @nn.compact
@@ -54,6 +73,8 @@ class ResNet(nn.Module):
 
 
 class DropMLP(nn.Module):
+    """Three Dense-LayerNorm-relu-Dropout(0.2) layers and a 10-way Dense head."""
+
     @nn.compact
     def __call__(self, x, train: bool = True):
         for _ in range(3):
