@@ -48,18 +48,19 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from benchmarks.zoo.maxtext_presets import PRESETS
-from jaxmem.zoo import (
+from benchmarks.zoo._common import (
     Batch,
+    Built,
     GradFn,
+    ModelSpec,
     Policy,
     PyTree,
     State,
     StepFn,
-    Workload,
-    _cross_entropy,
-    _linen_train_step,
-    _token_data,
 )
+from benchmarks.zoo._common import cross_entropy as _cross_entropy
+from benchmarks.zoo._common import linen_train_step as _linen_train_step
+from benchmarks.zoo._common import token_data as _token_data
 
 __all__ = [
     "BUILDERS",
@@ -86,15 +87,15 @@ _MAX_CONCRETE_PARAMS = 200_000_000
 
 _SIZES: dict[str, dict[str, Any]] = {
     "test": dict(batch=2, seq=16, vocab=128, d_model=32, layers=2, heads=4, kv_heads=2, ffn=64,
-                 tie_embeddings=False, rope_theta=10_000.0),
+                 tie_embeddings=False, rope_theta=10_000.0, dropout=0.0),
     "bench": dict(batch=4, seq=256, vocab=2048, d_model=256, layers=6, heads=8, kv_heads=2,
-                  ffn=768, tie_embeddings=False, rope_theta=10_000.0),
+                  ffn=768, tie_embeddings=False, rope_theta=10_000.0, dropout=0.0),
     # Llama-3.2-1B (config.json of meta-llama/Llama-3.2-1B; its llama3 rope scaling is left out).
     "1b": dict(batch=4, seq=4096, vocab=128_256, d_model=2048, layers=16, heads=32, kv_heads=8,
-               ffn=8192, tie_embeddings=True, rope_theta=500_000.0),
+               ffn=8192, tie_embeddings=True, rope_theta=500_000.0, dropout=0.0),
     # Llama-3-8B (config.json of meta-llama/Meta-Llama-3-8B).
     "8b": dict(batch=1, seq=4096, vocab=128_256, d_model=4096, layers=32, heads=32, kv_heads=8,
-               ffn=14_336, tie_embeddings=False, rope_theta=500_000.0),
+               ffn=14_336, tie_embeddings=False, rope_theta=500_000.0, dropout=0.0),
 }
 
 #: Builder keyword arguments per zoo name and size, in the format of ``jaxmem.zoo``'s table.
@@ -391,7 +392,7 @@ def _build_linen(*, key, rng, seed, policy, abstract, batch, seq, scan, **model)
     rng = jax.random.key(seed, impl="rbg")
     step, grads, state = _linen_train_step(Llama(cfg, scan, policy), _adamw(), km, rng, data,
                                            abstract=abstract)
-    return step, grads, state, data, cfg.layers
+    return Built(step, grads, state, data, cfg.layers)
 
 
 def _adamw() -> optax.GradientTransformation:
@@ -513,20 +514,24 @@ def _build_nnx_scan(*, key, rng, seed, policy, abstract, batch, seq, **model):
         "step": jnp.zeros((), jnp.int32),
         "rng": rng,
     }
-    return step, loss_and_grads, state, data, cfg.layers
+    return Built(step, loss_and_grads, state, data, cfg.layers)
 
 
 # --------------------------------------------------------------------------------------------
-# Entry points. make() repeats jaxmem.zoo.make's checks for these builders until the zoo's
-# registry lists them; Workload.with_remat needs that registry too.
+# Entry points: the zoo registry (benchmarks.zoo.FAMILIES) lists MODELS; make() is the zoo's.
 # --------------------------------------------------------------------------------------------
 
 #: The zoo builder of each variant: ``(key, rng, seed, policy, abstract, batch, seq, **config)
-#: -> (step, loss_and_grads, state, data, n_blocks)``, as ``jaxmem.zoo``'s builders.
-BUILDERS: dict[str, Callable[..., tuple[StepFn, GradFn, State, Batch, int]]] = {
+#: -> Built``, as the zoo's other builders.
+BUILDERS: dict[str, Callable[..., Built]] = {
     "llama": functools.partial(_build_linen, scan=False),
     "llama_scan": functools.partial(_build_linen, scan=True),
     "llama_nnx_scan": _build_nnx_scan,
+}
+
+#: What :mod:`benchmarks.zoo` registers: every variant in every size of :data:`SIZES`.
+MODELS: dict[str, ModelSpec] = {
+    name: ModelSpec(build, CONFIGS[name], DESCRIPTIONS[name]) for name, build in BUILDERS.items()
 }
 
 
@@ -535,56 +540,23 @@ def names() -> list[str]:
     return list(BUILDERS)
 
 
-def make(
-    name: str = "llama",
-    *,
-    size: str = "test",
-    batch: int | None = None,
-    remat_policy: Policy | None = None,
-    seed: int = 0,
-    abstract: bool = False,
-    **overrides: Any,
-) -> Workload:
-    """Build Llama variant ``name`` as a ``jaxmem.zoo.Workload`` (the zoo's ``make`` contract).
+def make(name: str = "llama", **kwargs: Any) -> Any:
+    """:func:`benchmarks.zoo.make` for a Llama variant: ``size`` is one of :data:`SIZES`
+    (``"1b"`` and ``"8b"`` only with ``abstract=True``); config keywords (``layers=4``,
+    ``tie_embeddings=True``, ``dropout=0.1``, ...) override the size's own.
 
-    Args:
-      name: ``"llama"``, ``"llama_scan"`` or ``"llama_nnx_scan"``.
-      size: one of :data:`SIZES`; ``"1b"`` and ``"8b"`` only with ``abstract=True``.
-      batch: batch size; defaults to the size's own.
-      remat_policy: a ``jax.checkpoint`` policy applied to every layer (a :data:`PRESETS`
-        entry, ``jax.checkpoint_policies.dots_saveable``, ...), or None for no remat.
-      seed: seeds parameters, data and the dropout key.
-      abstract: the state holds ``jax.ShapeDtypeStruct`` s (nothing initialised).
-      overrides: config keywords replacing the size's own (``layers=4``,
-        ``tie_embeddings=True``, ``dropout=0.1``, ...).
-
-    Returns:
-      A ``Workload``: ``jax.jit(w.step)(*w.args)`` runs one train step.
+    Example:
+      >>> make("llama", size="test").n_blocks
+      2
     """
+    from benchmarks import zoo
+
     if name not in BUILDERS:
         raise KeyError(f"unknown llama variant {name!r}; choose one of {names()}")
-    if size not in SIZES:
-        raise ValueError(f"size must be one of {SIZES}, got {size!r}")
-    cfg = dict(_SIZES[size])
-    settings = set(cfg) | {f.name for f in dataclasses.fields(LlamaConfig)}
-    unknown = sorted(set(overrides) - settings)
-    if unknown:
-        raise ValueError(f"llama has no setting(s) {unknown}; its settings are {sorted(settings)}")
-    cfg.update(overrides)
-    if batch is not None:
-        if batch < 1:
-            raise ValueError(f"batch must be >= 1, got {batch}")
-        cfg["batch"] = int(batch)
-    step, loss_and_grads, state, data, n_blocks = BUILDERS[name](
-        key=jax.random.key(seed, impl="rbg"), rng=jax.random.PRNGKey(seed), seed=seed,
-        policy=remat_policy, abstract=abstract, **cfg)
-    return Workload(name=name, step=step, state=state, batch=data,
-                    description=DESCRIPTIONS[name], n_blocks=n_blocks, size=size,
-                    batch_size=cfg["batch"], seed=seed, remat_policy=remat_policy,
-                    loss_and_grads=loss_and_grads, overrides=dict(overrides))
+    return zoo.make(name, **kwargs)
 
 
-def make_preset(name: str, preset: str, **kwargs: Any) -> Workload:
+def make_preset(name: str, preset: str, **kwargs: Any) -> Any:
     """:func:`make` with MaxText's ``remat_policy`` ``preset`` (a :data:`PRESETS` key) per layer.
 
     Example:
@@ -594,4 +566,3 @@ def make_preset(name: str, preset: str, **kwargs: Any) -> Workload:
     if preset not in PRESETS:
         raise KeyError(f"unknown MaxText remat preset {preset!r}; choose one of {list(PRESETS)}")
     return make(name, remat_policy=PRESETS[preset], **kwargs)
-
