@@ -15,13 +15,14 @@ Public entry points (see README.md and docs/):
 
 from jaxmem import flax, managed_memory, measure, policies, primitives, program
 from jaxmem.analysis import Analysis, Residual, analyze
-from jaxmem.budget import Budget, BudgetError, offload_name, pareto
+from jaxmem.budget import Budget, BudgetError
 from jaxmem.chunked import chunked, chunked_cross_entropy
 from jaxmem.costmodel import DeviceProfile
-from jaxmem.optimized import Optimized, optimize
+from jaxmem.optimized import Optimized, optimize, pareto
 from jaxmem.plan import Choice, Decision, Plan
 from jaxmem.program import Program, TraceError, trace
 from jaxmem.remat import Checkpointed, checkpoint
+from jaxmem.tags import offload_name
 
 __version__ = "0.1.0.dev0"
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxmem import measure, zoo
 from jaxmem.analysis import from_program
-from jaxmem.plan import plan_auto
+from jaxmem.strategies import plan_auto
 from jaxmem.program import trace
 from jaxmem.rewrite import crossing_cotangents, rewrite
 
