@@ -63,6 +63,14 @@ class _Entry:
     donate_flat: tuple[int, ...]
     plain: Any  # jax.jit of the user's own step on flat inputs (same donation): the baseline
     compiled: Any = None
+    # Executables compiled (the jaxmem way) for arguments the first one rejects: other
+    # committed devices or shardings, keyed by _placement.
+    placed: dict[Any, Any] = dataclasses.field(default_factory=dict)
+
+
+def _placement(flat: Sequence[Any]) -> Any:
+    return tuple((getattr(x, "committed", None), repr(getattr(x, "sharding", None)))
+                 for x in flat)
 
 
 def _leaf_key(x: Any) -> Any:
@@ -127,9 +135,28 @@ class Optimized:
         try:
             outs = entry.compiled(*flat)
         except (TypeError, ValueError):
-            # An executable is strict about committed devices/shardings; jit is not.
-            outs = entry.jitted(*flat)
+            # An executable is strict about committed devices and shardings (jit is not):
+            # compile the same step for these arguments, the jaxmem way (never a plain jit
+            # call: on CPU that would drop the barriers and with them the plan's recompute).
+            outs = self._placed(entry, flat)(*flat)
         return jax.tree_util.tree_unflatten(out_tree, outs)
+
+    def _placed(self, entry: _Entry, flat: list[Any]) -> Callable[..., Any]:
+        key = _placement(flat)
+        if key not in entry.placed:
+            entry.placed[key] = measure.compile(entry.jitted.lower(*flat))
+        exe = entry.placed[key]
+
+        def call(*leaves: Any) -> Any:
+            try:
+                return exe(*leaves)
+            except (TypeError, ValueError) as e:
+                name = getattr(self.fn, "__name__", "fn")
+                raise (TypeError if isinstance(e, TypeError) else ValueError)(
+                    f"jaxmem.optimize({name}): the step compiled for these arguments' devices "
+                    f"and shardings rejects them: {e}. Put the arguments on one device (or "
+                    "mesh) with jax.device_put before the call.") from e
+        return call
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Like ``jax.jit(f).lower``; ``.compile()`` on the result applies jaxmem's options."""
