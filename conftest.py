@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-import pytest
+import os
+
+# The tests run on the CPU. The test extra installs JAX's CUDA plugin and libtpu for the
+# deviceless GPU- and TPU-target tests; without this JAX would try to start both devices
+# (libtpu spends seconds looking for a TPU) and the CUDA plugin, failing without a driver,
+# could no longer build topology devices. Subprocesses (examples, CLI) inherit it.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
 
 #: Docstring examples known to fail, by node id, each with why. They are marked
 #: ``xfail(strict=True)``: listed in the summary, and the run fails as soon as one passes,
 #: so that its line here goes with the fix.
-KNOWN_DOCTEST_FAILURES: dict[str, str] = {
-    "jaxmem/analysis.py::jaxmem.analysis.analyze": (
-        "the example expects residual activations ['tanh'], analyze now also reports the "
-        "'sub' and 'mul' of tanh's derivative; analysis.py is being restructured (issue 18), "
-        "so the fix belongs there"
-    ),
-}
+KNOWN_DOCTEST_FAILURES: dict[str, str] = {}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxmem
-from jaxmem import plan as planning
+from jaxmem import strategies as planning
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,9 +24,9 @@ if __package__ in (None, ""):
 from benchmarks import zoo  # noqa: E402
 from jaxmem import measure  # noqa: E402
 from jaxmem.analysis import from_program  # noqa: E402
-from jaxmem.plan import block_depths, plan_blocks  # noqa: E402
 from jaxmem.program import trace  # noqa: E402
 from jaxmem.rewrite import rewrite  # noqa: E402
+from jaxmem.strategies import block_depths, plan_blocks  # noqa: E402
 
 MiB = 2**20
 

@@ -38,8 +38,8 @@ from benchmarks import zoo  # noqa: E402
 from jaxmem import measure  # noqa: E402
 from jaxmem.analysis import from_program  # noqa: E402
 from jaxmem.budget import Budget, BudgetError, CostModel, plan_segments, plan_with_budget  # noqa: E402
-from jaxmem.plan import plan_auto  # noqa: E402
 from jaxmem.rewrite import rewrite  # noqa: E402
+from jaxmem.strategies import plan_auto  # noqa: E402
 
 FRACTIONS = (0.7, 0.5, 0.35)
 #: bench-size models of the full run: transformer_scan and nnx_mlp repeat transformer and

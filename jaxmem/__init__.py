@@ -10,18 +10,20 @@ Public entry points (see README.md and docs/):
 - :func:`jaxmem.chunked`, :func:`jaxmem.chunked_cross_entropy` — bottleneck layers in chunks.
 - :func:`jaxmem.offload_name` — park a value in host memory between forward and backward.
 - :mod:`jaxmem.measure` — XLA's own compiled memory figures, measured the jaxmem way.
+- :mod:`jaxmem.targets` — compile for an H100, H200, A100 or TPU without one (deviceless).
 - :mod:`jaxmem.managed_memory` — CUDA Unified Memory for XLA's GPU client.
 """
 
-from jaxmem import managed_memory, measure, policies, primitives, program
+from jaxmem import managed_memory, measure, policies, primitives, program, targets
 from jaxmem.analysis import Analysis, Residual, analyze
-from jaxmem.budget import Budget, BudgetError, offload_name, pareto
+from jaxmem.budget import Budget, BudgetError
 from jaxmem.chunked import chunked, chunked_cross_entropy
 from jaxmem.costmodel import DeviceProfile
-from jaxmem.optimized import Optimized, optimize
+from jaxmem.optimized import Optimized, optimize, pareto
 from jaxmem.plan import Choice, Decision, Plan
 from jaxmem.program import Program, TraceError, trace
 from jaxmem.remat import Checkpointed, checkpoint
+from jaxmem.tags import offload_name
 
 __version__ = "0.1.0.dev0"
 
@@ -47,5 +49,5 @@ __all__ = [
     "Analysis", "Budget", "BudgetError", "Checkpointed", "Choice", "Decision", "DeviceProfile",
     "Optimized", "Plan", "Program", "Residual", "TraceError", "analyze", "checkpoint",
     "chunked", "chunked_cross_entropy", "flax", "managed_memory", "measure", "offload_name",
-    "optimize", "pareto", "policies", "primitives", "program", "trace",
+    "optimize", "pareto", "policies", "primitives", "program", "targets", "trace",
 ]

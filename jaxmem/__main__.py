@@ -95,10 +95,10 @@ def _register_managed_memory(subparsers: Subparsers) -> None:
         metavar="-- COMMAND ...",
         help="the command to run (put it after --); without one, prints the environment",
     )
-    p.set_defaults(func=_managed_memory)
+    p.set_defaults(func=_cmd_managed_memory)
 
 
-def _managed_memory(args: argparse.Namespace) -> int:
+def _cmd_managed_memory(args: argparse.Namespace) -> int:
     from jaxmem import managed_memory as mm
 
     cmd = list(args.cmd)
@@ -302,10 +302,10 @@ def _register_analyze(subparsers: Subparsers) -> None:
     _add_target(p)
     p.add_argument("--residuals", action="store_true",
                    help="also list every residual (name, shape, kind, layer)")
-    p.set_defaults(func=_analyze)
+    p.set_defaults(func=_cmd_analyze)
 
 
-def _analyze(args: argparse.Namespace) -> int:
+def _cmd_analyze(args: argparse.Namespace) -> int:
     import jaxmem
 
     loaded = _load(args, "analyze")
@@ -340,10 +340,10 @@ def _register_plan(subparsers: Subparsers) -> None:
     _add_budget(p)
     p.add_argument("--explain", action="store_true",
                    help="also print one line per residual: decision, size, reason")
-    p.set_defaults(func=_plan)
+    p.set_defaults(func=_cmd_plan)
 
 
-def _plan(args: argparse.Namespace) -> int:
+def _cmd_plan(args: argparse.Namespace) -> int:
     loaded = _load(args, "plan")
     if loaded is None:
         return 2
@@ -377,7 +377,7 @@ def _register_bench(subparsers: Subparsers) -> None:
     _add_budget(p)
     p.add_argument("--runs", type=int, default=0,
                    help="timed steps per variant after one warm-up (default 0: no timing)")
-    p.set_defaults(func=_bench)
+    p.set_defaults(func=_cmd_bench)
 
 
 def _time_steps(fn: Callable[..., Any], step_args: tuple, runs: int) -> float:
@@ -401,7 +401,7 @@ def _time_steps(fn: Callable[..., Any], step_args: tuple, runs: int) -> float:
     return statistics.median(times)
 
 
-def _bench(args: argparse.Namespace) -> int:
+def _cmd_bench(args: argparse.Namespace) -> int:
     loaded = _load(args, "bench")
     if loaded is None:
         return 2

@@ -5,32 +5,30 @@ the backward pass (forward, loss glue, or a program input) that a backward node 
 each one jaxmem records its producer layer and primitive, its kind (MEDL's heavy / utility /
 free), the backward nodes that read it, and what it would cost to recompute: the FLOPs and
 bytes of the chain of cheap nodes that re-creates it from *anchors* (program inputs and the
-outputs of heavy layers, control-flow units, unknown or effectful primitives).
+outputs of heavy layers, control-flow units, unknown or effectful primitives; see
+:mod:`jaxmem.chains`).
 
-A liveness pass over program order gives a memory timeline and a predicted peak. It models
-XLA's fusion coarsely: an elementwise or layout-only value whose every reader is another
-elementwise/layout node in the same phase is assumed fused away (never materialised).
+A liveness pass over program order (:mod:`jaxmem.liveness`) gives a memory timeline and a
+predicted peak.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import html
+import warnings
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import jax
 import numpy as np
 
-from jaxmem import _jax
+from jaxmem.chains import chain_start, is_anchor, replay_chain
+from jaxmem.liveness import liveness
 from jaxmem.measure import fmt_bytes
+from jaxmem.primitives import CHEAP, Kind
 from jaxmem.program import Node, Program, TraceError, trace
-
-ResidualKind = Literal["heavy", "utility", "free", "control", "unknown", "argument", "constant"]
-_FUSIBLE = ("utility", "free")
-_REDUCTIONS = ("reduce_", "argm", "cum", "reduce_window", "select_and")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,8 +41,8 @@ class Residual:
       shape, dtype, nbytes: the array it is.
       layer: producing layer path from the name stack (``""`` at top level).
       primitive: producing primitive, ``"argument"`` or ``"constant"``.
-      kind: the producer's kind (``heavy``, ``utility``, ``free``, ``control``, ``unknown``)
-        or ``argument`` / ``constant``.
+      kind: the producer's :class:`~jaxmem.primitives.Kind` (``heavy``, ``utility``,
+        ``free``, ``control``, ``unknown``) or ``argument`` / ``constant``.
       readers: indices of the backward nodes that read it.
       recompute_flops, recompute_bytes: cost of re-creating it from anchors.
       chain: indices of the nodes that re-create it, in program order.
@@ -58,7 +56,7 @@ class Residual:
     nbytes: int
     layer: str
     primitive: str
-    kind: ResidualKind
+    kind: Kind
     readers: tuple[int, ...]
     recompute_flops: float
     recompute_bytes: float
@@ -66,14 +64,22 @@ class Residual:
     produced_at: int = -1
 
     @property
+    def is_utility(self) -> bool:
+        """Made by a utility or free primitive: what MEDL's rule recomputes (budget plans
+        may recompute heavy outputs too)."""
+        return self.kind in CHEAP
+
+    @property
     def recomputable(self) -> bool:
-        """Whether jaxmem can drop it and re-create it from anchors (MEDL's utility outputs)."""
-        return self.kind in ("utility", "free")
+        """Deprecated: :attr:`is_utility` (budget plans recompute heavy outputs too)."""
+        warnings.warn("Residual.recomputable is deprecated; use Residual.is_utility",
+                      DeprecationWarning, stacklevel=2)
+        return self.is_utility
 
     @property
     def is_activation(self) -> bool:
         """Made by the program (not an argument or a constant)."""
-        return self.kind not in ("argument", "constant")
+        return self.kind not in (Kind.ARGUMENT, Kind.CONSTANT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,9 +135,16 @@ class Analysis:
         return sum(r.nbytes for r in self.residuals if r.is_activation)
 
     @property
-    def recomputable_bytes(self) -> int:
+    def utility_bytes(self) -> int:
         """Bytes MEDL's rule would drop: residuals made by utility or free layers."""
-        return sum(r.nbytes for r in self.residuals if r.recomputable)
+        return sum(r.nbytes for r in self.residuals if r.is_utility)
+
+    @property
+    def recomputable_bytes(self) -> int:
+        """Deprecated: :attr:`utility_bytes`."""
+        warnings.warn("Analysis.recomputable_bytes is deprecated; use Analysis.utility_bytes",
+                      DeprecationWarning, stacklevel=2)
+        return self.utility_bytes
 
     @property
     def unknown_primitives(self) -> tuple[str, ...]:
@@ -172,14 +185,14 @@ class Analysis:
         return sorted(out, key=lambda b: -b.nbytes)
 
     def by_layer(self) -> list[tuple[str, int, int, int]]:
-        """Rows ``(layer, count, bytes, recomputable bytes)``, largest first."""
+        """Rows ``(layer, count, bytes, utility bytes)``, largest first."""
         acc: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
         for r in self.residuals:
-            key = r.layer or ("<arguments>" if r.kind in ("argument", "constant") else "<top>")
+            key = r.layer or ("<arguments>" if not r.is_activation else "<top>")
             row = acc[key]
             row[0] += 1
             row[1] += r.nbytes
-            row[2] += r.nbytes if r.recomputable else 0
+            row[2] += r.nbytes if r.is_utility else 0
         rows = [(k, c, b, u) for k, (c, b, u) in acc.items()]
         return sorted(rows, key=lambda t: -t[2])
 
@@ -218,7 +231,7 @@ class Analysis:
     def summary(self) -> str:
         return (f"{len(self.residuals)} residuals, {fmt_bytes(self.residual_bytes)} "
                 f"({fmt_bytes(self.activation_bytes)} made by the program, "
-                f"{fmt_bytes(self.recomputable_bytes)} recomputable); predicted peak "
+                f"{fmt_bytes(self.utility_bytes)} recomputable); predicted peak "
                 f"{fmt_bytes(self.peak_bytes)}")
 
     def __str__(self) -> str:
@@ -236,7 +249,7 @@ class Analysis:
                 lines.append(f"{layer[:40]:<40} {n:>4} {fmt_bytes(b):>12} {fmt_bytes(u):>13}")
             lines.append(f"{'total':<40} {len(self.residuals):>4} "
                          f"{fmt_bytes(self.residual_bytes):>12} "
-                         f"{fmt_bytes(self.recomputable_bytes):>13}")
+                         f"{fmt_bytes(self.utility_bytes):>13}")
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
@@ -250,94 +263,7 @@ class Analysis:
                 f"</tbody></table></div>")
 
 
-# --- residuals and recompute chains -------------------------------------------------------
-
-def is_anchor(program: Program, vid: int) -> bool:
-    """Values recompute chains start from: inputs, constants, heavy/unit/unknown outputs."""
-    v = program.values[vid]
-    if v.producer is None:
-        return True
-    node = program.nodes[v.producer]
-    if node.kind not in _FUSIBLE or node.phase == "backward":
-        return True
-    return bool(getattr(node.eqn, "effects", None))
-
-
-def storable(program: Program, residual_ids: Iterable[int]) -> tuple[frozenset[int],
-                                                                   frozenset[int]]:
-    """Forward values the rewrite keeps unless told otherwise: ``(droppable, fixed)``.
-
-    Residuals and chain anchors made outside the backward pass. ``fixed`` are those a plan
-    may not drop: outputs of control-flow units, unknown primitives and effectful equations.
-    """
-    residual_ids = frozenset(residual_ids)
-    cand: set[int] = set()
-    fixed: set[int] = set()
-    for v in program.values:
-        if v.producer is None or v.nbytes == 0 or v.id in program.constant_derived:
-            continue
-        node = program.nodes[v.producer]
-        if node.phase == "backward":
-            continue
-        if not (v.id in residual_ids or is_anchor(program, v.id)):
-            continue
-        if node.kind in ("control", "unknown") or getattr(node.eqn, "effects", None):
-            fixed.add(v.id)
-        else:
-            cand.add(v.id)
-    return frozenset(cand), frozenset(fixed)
-
-
-def recompute_chain(program: Program, vid: int | Iterable[int],
-                    anchor: Callable[[int], bool] | None = None) -> tuple[int, ...]:
-    """Indices of the nodes that re-create value(s) ``vid`` from anchors, in program order."""
-    anchor = anchor or functools.partial(is_anchor, program)
-    seen: set[int] = set()
-    stack = [vid] if isinstance(vid, int) else list(vid)
-    while stack:
-        v = stack.pop()
-        if anchor(v):
-            continue
-        n = program.values[v].producer
-        if n is None or n in seen:
-            continue
-        seen.add(n)
-        stack.extend(program.nodes[n].inputs)
-    return tuple(sorted(seen))
-
-
-def replay_chain(program: Program, targets: Sequence[int], kept: Callable[[int], bool],
-                 available: Iterable[int] = ()) -> tuple[list[int], list[int]]:
-    """What re-creating ``targets`` replays, given which values are kept.
-
-    Returns ``(nodes, starts)``: the indices of the nodes to replay, in program order, and the
-    values they start from (kept values, and the program inputs or constants reached), in
-    discovery order. Values in ``available`` (re-created earlier) are neither walked nor
-    returned. The rewrite and the budget cost model both replay chains through this.
-    """
-    nodes: set[int] = set()
-    starts: dict[int, None] = {}
-    tset, done = set(targets), set(available)
-    stack = list(targets)
-    seen: set[int] = set()
-    while stack:
-        v = stack.pop()
-        if v in seen:
-            continue
-        seen.add(v)
-        if v in done:
-            continue
-        if v not in tset and kept(v):
-            starts[v] = None
-            continue
-        prod = program.values[v].producer
-        if prod is None:
-            starts[v] = None
-            continue
-        nodes.add(prod)
-        stack.extend(program.nodes[prod].inputs)
-    return sorted(nodes), list(starts)
-
+# --- residuals ---------------------------------------------------------------------------
 
 def find_residuals(program: Program) -> tuple[Residual, ...]:
     """Every value made outside the backward pass that a backward node reads."""
@@ -351,20 +277,21 @@ def find_residuals(program: Program) -> tuple[Residual, ...]:
             if p is None or nodes[p].phase != "backward":
                 readers[v].append(n.index)
     out = []
-    anchor = functools.partial(is_anchor, program)
+    from_anchors = chain_start(program)
     for vid, rd in readers.items():
         v = program.values[vid]
         if v.nbytes == 0 or vid in program.constant_derived:
             continue  # XLA re-derives a broadcast constant in place: nothing is stored
         if v.producer is None:
-            kind: ResidualKind = "argument" if v.is_input else "constant"
-            layer, prim, chain = "", kind, ()
-            if kind == "constant" and not v.shape:
+            kind = Kind.ARGUMENT if v.is_input else Kind.CONSTANT
+            layer, prim, chain = "", str(kind), ()
+            if kind is Kind.CONSTANT and not v.shape:
                 continue  # scalar literals are inlined into the code
         else:
             node = nodes[v.producer]
             kind, layer, prim = node.kind, node.layer, node.primitive
-            chain = recompute_chain(program, vid, anchor) if kind in _FUSIBLE else ()
+            cheap = kind in CHEAP and not is_anchor(program, vid)
+            chain = tuple(replay_chain(program, [vid], from_anchors)[0]) if cheap else ()
         flops = sum(nodes[i].flops for i in chain)
         moved = sum(nodes[i].bytes_moved for i in chain)
         name = f"{layer + '/' if layer else ''}{prim}#{vid}"
@@ -374,136 +301,6 @@ def find_residuals(program: Program) -> tuple[Residual, ...]:
             recompute_bytes=float(moved), chain=chain,
             produced_at=-1 if v.producer is None else v.producer))
     return tuple(sorted(out, key=lambda r: (r.produced_at, r.value)))
-
-
-# --- liveness -----------------------------------------------------------------------------
-
-def _is_reduction(name: str) -> bool:
-    return name.startswith(_REDUCTIONS)
-
-
-# XLA's fusion duplicates cheap elementwise producers into every consumer, backward ones
-# included, but refuses to duplicate "expensive" ones (InstructionFusion::IsExpensive).
-_EXPENSIVE = frozenset({
-    "div", "rem", "sqrt", "rsqrt", "cbrt", "exp", "exp2", "expm1", "log", "log1p", "pow",
-    "tanh", "logistic", "erf", "erfc", "erf_inv", "atan2", "sin", "cos", "tan", "lgamma",
-    "digamma", "random_bits", "threefry2x32",
-})
-
-
-def materialised(program: Program) -> list[bool]:
-    """Per value: whether XLA is expected to give it a buffer of its own (fusion model).
-
-    Non-fusible outputs (matmuls, convolutions, units), reductions and program outputs get a
-    buffer. An elementwise or layout value read only by elementwise nodes is fused into its
-    readers. If a reader sits in another phase (a residual), XLA duplicates the producer there
-    when that needs no extra buffer (every operand is stored, or is itself duplicable) and it
-    is not expensive (a transcendental); otherwise the value is stored.
-    """
-    out_set = set(program.outputs)
-    users = program.users
-    values = program.values
-    mat = [False] * len(values)
-    dup = [False] * len(values)  # fused, and re-creatable from stored values alone
-    for v in values:
-        if v.producer is None or v.nbytes == 0:
-            dup[v.id] = v.producer is None
-            continue
-        node = program.nodes[v.producer]
-        rd = users.get(v.id, ())
-        if not rd:
-            mat[v.id] = v.id in out_set
-            continue
-        if v.id in out_set or node.kind not in _FUSIBLE or _is_reduction(node.primitive):
-            mat[v.id] = True
-            continue
-        if node.primitive == "device_put" and any(
-                str(values[u].memory_space) != str(v.memory_space) for u in node.inputs):
-            mat[v.id] = True  # a copy to (or from) host memory is a buffer of its own
-            continue
-        avail = node.primitive not in _EXPENSIVE and all(mat[a] or dup[a] for a in node.inputs)
-        for i in rd:
-            u = program.nodes[i]
-            if (u.kind not in _FUSIBLE or _is_reduction(u.primitive)
-                    or (u.phase != node.phase and not avail)):
-                mat[v.id] = True
-                break
-        dup[v.id] = not mat[v.id] and avail
-    return mat
-
-
-def last_uses(program: Program, mat: Sequence[bool]) -> dict[int, int]:
-    """Value id -> index of the last node that needs it alive (fused readers included)."""
-    last: dict[int, int] = {}
-    for n in program.nodes:
-        for v in n.inputs:
-            last[v] = n.index
-    end = len(program.nodes)
-    for v in program.outputs:
-        last[v] = end
-    # A fused value is recomputed inside each reader, so its own inputs must live as long.
-    for v in reversed(program.values):
-        if v.producer is None or mat[v.id] or v.id not in last:
-            continue
-        for u in program.nodes[v.producer].inputs:
-            last[u] = max(last.get(u, -1), last[v.id])
-    return last
-
-
-def _unit_transient(node: Node) -> int:
-    """Working set inside a control-flow unit beyond its inputs and outputs."""
-    from jaxmem.program import from_jaxpr
-
-    best = 0
-    for j in _jax.sub_jaxprs(node.eqn):
-        closed = jax.extend.core.ClosedJaxpr(j, [None] * len(j.constvars))
-        try:
-            sub = from_jaxpr(closed)
-        except Exception:  # noqa: BLE001 - an estimate; never fail the analysis on it
-            continue
-        _, live, _ = liveness(sub, count_inputs=False)
-        best = max(best, max(live, default=0))
-    return best
-
-
-def liveness(program: Program, *, count_inputs: bool = True,
-             donated: Iterable[int] = (), device_only: bool = False
-             ) -> tuple[int, tuple[int, ...], int]:
-    """Predicted ``(peak, live bytes after each node, output bytes)``.
-
-    The peak is comparable with XLA's ``argument + output + temp - alias``: inputs are live
-    throughout, outputs from their producer to the end, intermediates from producer to last
-    reader. Outputs that alias a ``donated`` input index are not counted twice.
-    ``device_only``: values placed in host memory keep their lifetimes but are not counted.
-    """
-    nodes, values = program.nodes, program.values
-    mat = materialised(program)
-    end = len(nodes)
-    last = last_uses(program, mat)
-    arg_bytes = sum(values[i].nbytes for i in program.inputs) if count_inputs else 0
-    # Outputs that are inputs or constants get an output buffer of their own (a copy).
-    out_bytes = sum(values[v].nbytes for v in dict.fromkeys(program.outputs))
-    passthrough = sum(values[v].nbytes for v in dict.fromkeys(program.outputs)
-                      if values[v].producer is None)
-    donated_in = [values[program.inputs[i]] for i in donated]
-    alias = min(sum(v.nbytes for v in donated_in), out_bytes)
-    delta = np.zeros(end + 2, dtype=np.int64)
-    for v in values:
-        if v.producer is None or not mat[v.id]:
-            continue
-        if device_only and "Host" in str(v.memory_space):
-            continue
-        delta[v.producer] += v.nbytes
-        delta[last.get(v.id, v.producer) + 1] -= v.nbytes
-    live = np.cumsum(delta)[:end]
-    transient = np.zeros(end, dtype=np.int64)
-    for n in nodes:
-        if n.kind in ("control", "heavy") and _jax.sub_jaxprs(n.eqn):
-            transient[n.index] = _unit_transient(n)
-    base = arg_bytes + passthrough - alias
-    series = live + transient + base
-    peak = int(series.max()) if end else base
-    return peak, tuple(int(x) for x in series), out_bytes
 
 
 # --- entry point --------------------------------------------------------------------------
@@ -532,8 +329,8 @@ def analyze(fn: Callable[..., Any], *args: Any, argnums: int | Sequence[int] | N
       >>> import jax.numpy as jnp, jaxmem
       >>> loss = lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2)
       >>> a = jaxmem.analyze(loss, jnp.ones((8, 8)), jnp.ones((4, 8)))
-      >>> [r.primitive for r in a.residuals if r.is_activation]
-      ['tanh']
+      >>> "tanh" in [r.primitive for r in a.residuals if r.is_activation]
+      True
     """
     if not callable(fn):
         raise TypeError(f"analyze expects a callable, got {type(fn).__name__}")

@@ -40,11 +40,11 @@ _BCAST = _Broadcast()
 _DEFAULT = object()
 
 
-# --- planning: which leaves are cut, and how -------------------------------------------------
+# --- layout: which leaves are cut, and how ---------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class _Layout:
     """How the chunked axis of length ``n`` is cut: ``full`` pieces of ``size``, one tail."""
 
     n: int
@@ -105,10 +105,10 @@ def _leaf_axes(args: tuple[Any, ...], in_axes: Any, names: list[str]) -> list[An
     return out
 
 
-def _plan(
+def _layout(
     names: list[str], leaves: list[Any], axes: list[Any], chunks: int
-) -> tuple[_Plan, list[Any]]:
-    """Validate the chunked leaves; return the plan and the normalised axes."""
+) -> tuple[_Layout, list[Any]]:
+    """Validate the chunked leaves; return their layout and the normalised axes."""
     if isinstance(chunks, bool) or not isinstance(chunks, int):
         raise TypeError(f"chunked: chunks must be an int >= 1; got {chunks!r}.")
     if chunks < 1:
@@ -157,7 +157,7 @@ def _plan(
         )
     size = -(-n // chunks)  # ceil: no piece is bigger than n / chunks rounded up
     full = n // size
-    return _Plan(n=n, size=size, full=full, tail=n - full * size), norm
+    return _Layout(n=n, size=size, full=full, tail=n - full * size), norm
 
 
 def _named_leaves(args: tuple[Any, ...], names: list[str]) -> list[str]:
@@ -168,18 +168,18 @@ def _named_leaves(args: tuple[Any, ...], names: list[str]) -> list[str]:
     return out
 
 
-def _stack(x: jax.Array, ax: int, plan: _Plan) -> jax.Array:
+def _stack(x: jax.Array, ax: int, layout: _Layout) -> jax.Array:
     """``x`` without its tail, as ``[full, ..., size, ...]`` (the chunk index leading)."""
-    if plan.tail:
-        x = lax.slice_in_dim(x, 0, plan.full * plan.size, axis=ax)
-    x = x.reshape(x.shape[:ax] + (plan.full, plan.size) + x.shape[ax + 1 :])
+    if layout.tail:
+        x = lax.slice_in_dim(x, 0, layout.full * layout.size, axis=ax)
+    x = x.reshape(x.shape[:ax] + (layout.full, layout.size) + x.shape[ax + 1 :])
     return jnp.moveaxis(x, ax, 0)
 
 
-def _unstack(y: jax.Array, ax: int, plan: _Plan) -> jax.Array:
+def _unstack(y: jax.Array, ax: int, layout: _Layout) -> jax.Array:
     """Inverse of :func:`_stack` for an output: ``[full, .., size, ..]`` -> ``[.., n, ..]``."""
     y = jnp.moveaxis(y, 0, ax)
-    return y.reshape(y.shape[:ax] + (plan.full * plan.size,) + y.shape[ax + 2 :])
+    return y.reshape(y.shape[:ax] + (layout.full * layout.size,) + y.shape[ax + 2 :])
 
 
 def _out_axes(out_shape: Any, out_axes: Any) -> list[Any]:
@@ -248,7 +248,7 @@ def _run(
     carry: Any,
     leaves: list[Any],
     axes: list[Any],
-    plan: _Plan,
+    layout: _Layout,
     *,
     out_axes: Any,
     out_names: str,
@@ -279,7 +279,7 @@ def _run(
 
     chunk_shapes = [
         jax.ShapeDtypeStruct(
-            leaves[i].shape[: axes[i]] + (plan.size,) + leaves[i].shape[axes[i] + 1 :],
+            leaves[i].shape[: axes[i]] + (layout.size,) + leaves[i].shape[axes[i] + 1 :],
             leaves[i].dtype,
         )
         for i in cut
@@ -296,10 +296,10 @@ def _run(
                 f"[{-len(s.shape)}, {len(s.shape) - 1}] for it, or None (reduce='sum') to add "
                 "the chunks' values."
             )
-        if a is not _BCAST and s.shape[a % len(s.shape)] != plan.size:
+        if a is not _BCAST and s.shape[a % len(s.shape)] != layout.size:
             raise ValueError(
                 f"chunked: output leaf {j} of {out_names} has shape {s.shape} for a chunk of "
-                f"{plan.size}, so its axis {a} is not the chunked one; set out_axes to the "
+                f"{layout.size}, so its axis {a} is not the chunked one; set out_axes to the "
                 "output axis that follows the input's chunks, or None to add the chunks' values."
             )
     oaxes = [
@@ -316,12 +316,13 @@ def _run(
         return (c, acc), [o for j, o in enumerate(outs) if j not in summed]
 
     acc0 = [jnp.zeros(out_leaves_shape[j].shape, out_leaves_shape[j].dtype) for j in summed]
-    xs = [_stack(leaves[i], axes[i], plan) for i in cut]
-    (carry, acc), ys = _loop(step, (carry, acc0), xs, plan.full, prefetch, unroll)
+    xs = [_stack(leaves[i], axes[i], layout) for i in cut]
+    (carry, acc), ys = _loop(step, (carry, acc0), xs, layout.full, prefetch, unroll)
     cat_axes = [a for a in oaxes if a is not _BCAST]
-    ys = [_unstack(y, a, plan) for y, a in zip(ys, cat_axes, strict=True)]
-    if plan.tail:
-        tail = [lax.slice_in_dim(leaves[i], plan.n - plan.tail, plan.n, axis=axes[i]) for i in cut]
+    ys = [_unstack(y, a, layout) for y, a in zip(ys, cat_axes, strict=True)]
+    if layout.tail:
+        lo, hi = layout.n - layout.tail, layout.n
+        tail = [lax.slice_in_dim(leaves[i], lo, hi, axis=axes[i]) for i in cut]
         carry, out = call(carry, tail)
         outs = jax.tree_util.tree_leaves(out)
         acc = [a + outs[j] for a, j in zip(acc, summed, strict=True)]
@@ -446,7 +447,7 @@ def chunked(
         names = _arg_names(fn, len(args))
         leaves, treedef = jax.tree_util.tree_flatten(args)
         axes = _leaf_axes(args, in_axes, names)
-        plan, axes = _plan(_named_leaves(args, names), leaves, axes, chunks)
+        layout, axes = _layout(_named_leaves(args, names), leaves, axes, chunks)
 
         def body(carry: None, chunk_leaves: list[Any]) -> tuple[None, Any]:
             return carry, fn(*jax.tree_util.tree_unflatten(treedef, chunk_leaves), **kwargs)
@@ -456,7 +457,7 @@ def chunked(
             None,
             leaves,
             axes,
-            plan,
+            layout,
             out_axes=out_axes,
             out_names=f"{fn_name}",
             remat=remat,

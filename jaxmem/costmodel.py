@@ -1,16 +1,17 @@
-"""The cost model the budget planner ranks decisions with.
+"""The cost model the planners rank decisions with (third box of the data flow).
 
 For a set ``D`` of values to recompute and a set ``O`` of values to offload, the model
 predicts
 
 - the **recompute cost**: FLOPs, bytes and time of the nodes that re-create the dropped
-  values, region by region, exactly as :mod:`jaxmem.rewrite` re-emits them (a chain starts
-  from *kept* values; when a neighbour is dropped too, the chain grows through it; chains
-  are re-emitted once per backward region, so a long segment is paid once per region);
+  values, region by region, as :mod:`jaxmem.rewrite` re-emits them (chains start and end
+  where :mod:`jaxmem.chains` says: when a neighbour is dropped too, the chain grows through
+  it; chains are re-emitted once per backward region, so a long segment is paid once per
+  region);
 - the **transfer cost** of offloading: ``2 x bytes / host link bandwidth`` for the round trip,
   overlapped with the step's compute (the part that cannot hide is charged);
 - the **device peak**: a calibrated base plus, at the worst backward region, the bytes kept
-  for that region or later ones (kept residuals, and the anchors that chains read) plus that
+  for that region or later ones (kept residuals, and the values chains start from) plus that
   region's recompute working set; at least everything kept across the forward/backward
   boundary.
 
@@ -29,11 +30,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxmem.analysis import Analysis, materialised, replay_chain, storable
+from jaxmem import chains
+from jaxmem.analysis import Analysis
+from jaxmem.liveness import materialised
 from jaxmem.program import region_of
-
-#: The checkpoint-name prefix that marks a value for offloading (see ``offload_name``).
-OFFLOAD_PREFIX = "jaxmem_offload:"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,11 +109,13 @@ class Region:
 
 @dataclasses.dataclass
 class RegionState:
-    nodes: frozenset[int]
-    anchors: frozenset[int]
+    """What one region replays under a (drop, offload) pair."""
+
+    nodes: frozenset[int]    # the chain's nodes
+    starts: frozenset[int]   # values the program makes that the chain starts from (stored)
     time: float
     flops: float
-    transient: int
+    transient: int           # the chain's materialised outputs: its working set
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,41 +131,6 @@ class Evaluation:
     transfer_time: float  # exposed (not overlapped) transfer time
 
 
-def offload_tagged(analysis: Analysis) -> frozenset[int]:
-    """Residual value ids the user tagged with ``jaxmem.offload_name``."""
-    prog = analysis.program
-    tagged: set[int] = set()
-    for n in prog.nodes:
-        if n.primitive == "name" and str(n.eqn.params.get("name", "")).startswith(
-                OFFLOAD_PREFIX):
-            tagged.update(n.outputs)
-            tagged.update(n.inputs)
-    return frozenset(r.value for r in analysis.residuals
-                     if r.value in tagged and r.is_activation)
-
-
-def offload_tags_out_of_reach(analysis: Analysis) -> list[tuple[str, str, str]]:
-    """``(tag, unit primitive, layer)`` for each ``jaxmem.offload_name`` tag inside a
-    control-flow unit (a ``lax.scan``/``while``/``cond`` body, a custom-derivative call): the
-    joint rewrite keeps units whole, so such a value stays on the device."""
-    from jaxmem import _jax
-
-    out: list[tuple[str, str, str]] = []
-
-    def walk(jaxpr: Any, unit: str, layer: str) -> None:
-        for e in jaxpr.eqns:
-            name = str(e.params.get("name", "")) if e.primitive.name == "name" else ""
-            if name.startswith(OFFLOAD_PREFIX):
-                out.append((name[len(OFFLOAD_PREFIX):], unit, layer))
-            for sub in _jax.sub_jaxprs(e):
-                walk(sub, unit, layer)
-
-    for n in analysis.program.nodes:
-        for sub in _jax.sub_jaxprs(n.eqn):
-            walk(sub, n.primitive, n.layer)
-    return out
-
-
 class CostModel:
     """Cost and peak predictions for recompute/offload decisions on one :class:`Analysis`."""
 
@@ -175,35 +142,24 @@ class CostModel:
         self.mat = materialised(prog)
         self.residual_ids = frozenset(r.value for r in analysis.residuals)
         self.activations = frozenset(r.value for r in analysis.residuals if r.is_activation)
-        # Values the rewrite could keep and that the planner may drop: forward (or "other")
-        # residual activations and anchors, produced by nodes without effects that are not
-        # control-flow units or unknown primitives (those are always kept).
-        self.candidates, fixed = storable(prog, self.residual_ids)
-        self.fixed_anchor: set[int] = set(fixed)
+        # Stored values the planner may drop (residual activations and anchors the rewrite
+        # can replay) and the fixed ones it may not (see jaxmem.chains.stored_values).
+        self.candidates, self.fixed = chains.stored_values(prog, self.residual_ids)
         # XLA keeps forward values that cross into the backward pass (fusion does not
         # duplicate across the barrier-kept phases), so a stored value costs its full size.
-        self.bytes = {v: prog.values[v].nbytes for v in self.candidates | self.fixed_anchor}
+        self.bytes = {v: prog.values[v].nbytes for v in self.candidates | self.fixed}
         # node times and materialised output bytes (the recompute working set)
         p = self.profile
         self.node_out = [sum(prog.values[o].nbytes for o in n.outputs if self.mat[o])
                          for n in prog.nodes]
         self.node_time = [p.node_time(n.flops, 2 * self.node_out[n.index] + 1)
                           for n in prog.nodes]
-        # backward regions, as the rewrite cuts them
-        regions: list[set[int]] = []
-        last = None
-        for n in prog.nodes:
-            if n.phase != "backward":
-                continue
-            reads = [v for v in n.inputs if v in self.activations]
-            if not reads:
-                continue
-            key = (n.phase, n.layer)
-            if key != last:
-                regions.append(set())
-                last = key
-            regions[-1].update(reads)
-        self.regions = [Region(frozenset(r)) for r in regions]
+        # backward regions (fixed: cut where residual activations are read; jaxmem.chains)
+        self.regions = [
+            Region(frozenset(v for i in nodes for v in prog.nodes[i].inputs
+                             if v in self.activations))
+            for nodes in chains.backward_regions(
+                prog, lambda n: any(v in self.activations for v in n.inputs))]
         self.readers: dict[int, list[int]] = defaultdict(list)
         for i, r in enumerate(self.regions):
             for v in r.reads:
@@ -237,50 +193,43 @@ class CostModel:
         return (peak - self.base) / self.kappa
 
     # --- the model ------------------------------------------------------------------------
-    def kept(self, v: int, drop: frozenset[int] | set[int], off: frozenset[int] | set[int]
-             ) -> bool:
-        val = self.program.values[v]
-        if val.producer is None or v in self.fixed_anchor:
-            return True
-        if v not in self.candidates:
-            return False
-        # an offloaded value is a chain start too: the rewrite fetches it back
-        return v not in drop
-
     def walk(self, i: int, drop: Any, off: Any) -> RegionState:
-        """The recompute chain of region ``i`` under (drop, off)."""
+        """The recompute chain of region ``i`` under (drop, off), as the rewrite replays it."""
         targets = [v for v in self.regions[i].reads if v in drop]
         prog = self.program
-        nodes, starts = replay_chain(prog, targets, lambda v: self.kept(v, drop, off))
-        anchors = [v for v in starts if prog.values[v].producer is not None]
+        starts = chains.chain_start(prog, dropped=drop, kept=self.residual_ids, offloaded=off)
+        nodes, inputs = chains.replay_chain(prog, targets, starts)
+        made = [v for v in inputs if prog.values[v].producer is not None]
         return RegionState(
-            nodes=frozenset(nodes), anchors=frozenset(anchors),
+            nodes=frozenset(nodes), starts=frozenset(made),
             time=sum(self.node_time[n] for n in nodes),
             flops=sum(prog.nodes[n].flops for n in nodes),
             transient=sum(self.node_out[n] for n in nodes))
 
-    def last_region(self, v: int, aregs: Iterable[int]) -> int:
-        """The last backward region that needs stored value ``v`` (reads it or anchors it)."""
-        return max([*self.readers.get(v, ()), *aregs], default=0)
+    def last_region(self, v: int, start_in: Iterable[int]) -> int:
+        """The last backward region that needs stored value ``v``: one that reads it, or
+        one of the regions ``start_in`` whose chains start from it."""
+        return max([*self.readers.get(v, ()), *start_in], default=0)
 
-    def anchor_regions(self, states: dict[int, RegionState]) -> dict[int, set[int]]:
+    def start_regions(self, states: dict[int, RegionState]) -> dict[int, set[int]]:
+        """Value -> the regions whose chains start from it."""
         out: dict[int, set[int]] = defaultdict(set)
         for i, s in states.items():
-            for a in s.anchors:
+            for a in s.starts:
                 out[a].add(i)
         return out
 
     def alive_bytes(self, drop: Any, off: Any, states: dict[int, RegionState]
                     ) -> np.ndarray:
         """Per region i: bytes of stored values still needed at region i or later."""
-        aregs = self.anchor_regions(states)
+        sregs = self.start_regions(states)
         by_last = np.zeros(max(1, len(self.regions)), dtype=np.int64)
-        for v in self.activations | set(aregs):
+        for v in self.activations | set(sregs):
             if v in drop or v in off:
                 continue
             b = self.bytes.get(v, 0)
             if b:
-                by_last[self.last_region(v, aregs.get(v, ()))] += b
+                by_last[self.last_region(v, sregs.get(v, ()))] += b
         return np.cumsum(by_last[::-1])[::-1]
 
     def peak_of(self, alive: np.ndarray, states: dict[int, RegionState]) -> int:

@@ -13,6 +13,7 @@ must be compiled through :func:`compile` so that the comparison is fair.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import jax
@@ -107,6 +108,35 @@ def measure(fn: Any, *args: Any, **kwargs: Any) -> Figures:
 
 
 _UNITS = [("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)]
+
+_SIZE_UNITS = {
+    "b": 1, "": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str, what: str = "size") -> int:
+    """``"6GiB" -> 6442450944``: a positive byte count written with a unit (B, KB, MB, GB,
+    TB in powers of 1000; KiB, MiB, GiB, TiB in powers of 1024) or none (bytes).
+
+    Example:
+      >>> parse_bytes("1.5 GB"), parse_bytes("500MiB")
+      (1500000000, 524288000)
+    """
+    m = _SIZE.match(text)
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _SIZE_UNITS:
+        raise ValueError(
+            f"cannot parse {what} {text!r}: expected a number with a unit such as "
+            "'6GiB', '500MB', '1.5 GB' or '1024' (bytes); units B, KB, MB, GB, TB "
+            "(powers of 1000), KiB, MiB, GiB, TiB (powers of 1024)")
+    n = float(m.group(1)) * _SIZE_UNITS[unit]
+    if n <= 0:
+        raise ValueError(f"{what} must be positive, got {text!r}")
+    return int(n)
 
 
 def fmt_bytes(n: float) -> str:

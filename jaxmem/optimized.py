@@ -1,9 +1,11 @@
 """``@jaxmem.optimize``: a drop-in ``jax.jit`` for train steps that needs less memory.
 
 The last box of the data flow: trace the step, analyse it, plan, rewrite the joint jaxpr,
-jit the result and compile it the jaxmem way (barrier flag on CPU), then check XLA's figures
-against the plan. Plans and executables are cached per argument shapes, dtypes, shardings
-and static arguments, like ``jax.jit``'s cache.
+jit the result and compile it the jaxmem way (:func:`jaxmem.measure.compile`: barrier flag on
+CPU), then check XLA's figures against the plan. Plans and executables are cached per
+argument shapes, dtypes, shardings and static arguments, like ``jax.jit``'s cache. The
+budget search (:mod:`jaxmem.budget`) gets its compiles from here as callbacks; so does
+:func:`pareto`, which runs ``optimize`` at each budget.
 """
 
 from __future__ import annotations
@@ -15,14 +17,19 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
-from jaxmem import measure
-from jaxmem import plan as planning
+from jaxmem import _jax, measure, strategies
 from jaxmem.analysis import Analysis, from_program
+from jaxmem.budget import Pareto, plan_with_budget
+from jaxmem.budget.pareto import sweep
+from jaxmem.liveness import liveness
 from jaxmem.measure import Figures, fmt_bytes
-from jaxmem.plan import Plan
-from jaxmem.program import check_leaves, trace
-from jaxmem.rewrite import rewrite
+from jaxmem.plan import Decision, Plan
+from jaxmem.policies import utility
+from jaxmem.program import Program, check_leaves, from_jaxpr, trace
+from jaxmem.rewrite import apply
+from jaxmem.tags import offload_tagged, offload_tags_out_of_reach
 
 STRATEGIES = ("auto", "none")
 
@@ -56,6 +63,14 @@ class _Entry:
     donate_flat: tuple[int, ...]
     plain: Any  # jax.jit of the user's own step on flat inputs (same donation): the baseline
     compiled: Any = None
+    # Executables compiled (the jaxmem way) for arguments the first one rejects: other
+    # committed devices or shardings, keyed by _placement.
+    placed: dict[Any, Any] = dataclasses.field(default_factory=dict)
+
+
+def _placement(flat: Sequence[Any]) -> Any:
+    return tuple((getattr(x, "committed", None), repr(getattr(x, "sharding", None)))
+                 for x in flat)
 
 
 def _leaf_key(x: Any) -> Any:
@@ -120,9 +135,28 @@ class Optimized:
         try:
             outs = entry.compiled(*flat)
         except (TypeError, ValueError):
-            # An executable is strict about committed devices/shardings; jit is not.
-            outs = entry.jitted(*flat)
+            # An executable is strict about committed devices and shardings (jit is not):
+            # compile the same step for these arguments, the jaxmem way (never a plain jit
+            # call: on CPU that would drop the barriers and with them the plan's recompute).
+            outs = self._placed(entry, flat)(*flat)
         return jax.tree_util.tree_unflatten(out_tree, outs)
+
+    def _placed(self, entry: _Entry, flat: list[Any]) -> Callable[..., Any]:
+        key = _placement(flat)
+        if key not in entry.placed:
+            entry.placed[key] = measure.compile(entry.jitted.lower(*flat))
+        exe = entry.placed[key]
+
+        def call(*leaves: Any) -> Any:
+            try:
+                return exe(*leaves)
+            except (TypeError, ValueError) as e:
+                name = getattr(self.fn, "__name__", "fn")
+                raise (TypeError if isinstance(e, TypeError) else ValueError)(
+                    f"jaxmem.optimize({name}): the step compiled for these arguments' devices "
+                    f"and shardings rejects them: {e}. Put the arguments on one device (or "
+                    "mesh) with jax.device_put before the call.") from e
+        return call
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Like ``jax.jit(f).lower``; ``.compile()`` on the result applies jaxmem's options."""
@@ -207,60 +241,32 @@ class Optimized:
     def _build(self, args: tuple[Any, ...], static: tuple[int, ...], dyn_args: tuple[Any, ...],
                kwargs: dict[str, Any], static_kw: dict[str, Any]) -> _Entry:
         fn = self._bound(args, static, static_kw)
-        if self.remat_scans and self.strategy != "none":
-            from jaxmem import _jax
-            from jaxmem.policies import utility
-
-            with _jax.checkpointed_scan_bodies(utility):
-                program = trace(fn, *dyn_args, **kwargs)
-            if not program.has_backward:  # nothing differentiated: trace it untouched
-                program = trace(fn, *dyn_args, **kwargs)
-        else:
-            program = trace(fn, *dyn_args, **kwargs)
+        program = self._trace(fn, dyn_args, kwargs)
         analysis = from_program(program)
         self._check_offload(analysis)
-        if not program.has_backward:
-            if not self._warned_no_backward:
-                warnings.warn(
-                    f"jaxmem.optimize: {getattr(self.fn, '__name__', 'fn')} has no backward "
-                    "pass (no jax.grad inside); running it as a plain jax.jit.",
-                    stacklevel=4)
-                self._warned_no_backward = True
-            plan = planning.plan_none(analysis)
-        elif self.strategy == "none":
-            plan = planning.plan_none(analysis)
-        else:
-            plan = planning.plan_auto(analysis,
-                                      max_recompute_fraction=self.max_recompute_fraction)
         donated = self._donated(dyn_args, analysis)
         donate_flat = _flat_positions(dyn_args, kwargs, donated)
-        plan = dataclasses.replace(plan, donated=donated)
-        residuals = frozenset(r.value for r in analysis.residuals)
 
         def jit_plan(p: Plan) -> Any:
-            fn = rewrite(program, p.recompute, p.offload, residuals | p.keep,
-                         region_depth=p.region_depth)
-            return jax.jit(fn, donate_argnums=donate_flat, **self.jit_kwargs)
+            return jax.jit(apply(program, p), donate_argnums=donate_flat, **self.jit_kwargs)
 
         plain = self._plain(fn, jax.tree_util.tree_structure((dyn_args, kwargs)), donate_flat)
-        if self.budget is not None and program.has_backward and self.strategy != "none":
-            from jaxmem import budget as budgeting
-
-            flat = jax.tree_util.tree_leaves((dyn_args, kwargs))
-
-            plan = budgeting.plan_with_budget(
+        flat = jax.tree_util.tree_leaves((dyn_args, kwargs))
+        plan = dataclasses.replace(self._first_plan(analysis), donated=donated)
+        planning = program.has_backward and self.strategy != "none"
+        if planning and self.budget is not None:
+            plan = plan_with_budget(
                 analysis, self.budget, auto=plan,
                 compile_plan=lambda p: _figures(jit_plan(p), flat),
-                compile_plain=lambda: _figures(plain, flat), offload=self.offload)
+                compile_plain=lambda: _figures(plain, flat),
+                device_peak=lambda p, fig: device_peak(program, p, fig),
+                offload=self.offload)
             plan = dataclasses.replace(plan, donated=donated)
-        elif program.has_backward and self.strategy != "none":
-            from jaxmem import budget as budgeting
-
+        elif planning and (self.offload is True or offload_tagged(analysis)):
             # No budget: values tagged with jaxmem.offload_name are offloaded; offload=True
             # also offloads kept residuals whose round trip hides under compute.
-            if self.offload is True or budgeting.offload_tagged(analysis):
-                plan = budgeting.plan_offload(analysis, plan, offload=self.offload)
-                plan = dataclasses.replace(plan, donated=donated)
+            plan = strategies.plan_offload(analysis, plan, offload=self.offload)
+            plan = dataclasses.replace(plan, donated=donated)
         compiled = None
         if (self.verify and self.budget is None and plan.recompute and not plan.offload):
             plan, compiled = self._verified(plan, analysis, jit_plan, plain, dyn_args, kwargs)
@@ -271,11 +277,34 @@ class Optimized:
         return _Entry(analysis=analysis, plan=plan, jitted=jitted, donate_flat=donate_flat,
                       plain=plain, compiled=compiled)
 
+    def _trace(self, fn: Callable[..., Any], dyn_args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> Program:
+        """The step's program; scan bodies under jax.checkpoint(policies.utility) when
+        ``remat_scans`` (the joint rewrite keeps a scan whole)."""
+        if self.remat_scans and self.strategy != "none":
+            with _jax.checkpointed_scan_bodies(utility):
+                program = trace(fn, *dyn_args, **kwargs)
+            if program.has_backward:
+                return program
+        return trace(fn, *dyn_args, **kwargs)  # nothing differentiated: trace it untouched
+
+    def _first_plan(self, analysis: Analysis) -> Plan:
+        """MEDL's auto plan, or keep everything (``strategy="none"``, no backward pass)."""
+        if not analysis.program.has_backward:
+            if not self._warned_no_backward:
+                warnings.warn(
+                    f"jaxmem.optimize: {getattr(self.fn, '__name__', 'fn')} has no backward "
+                    "pass (no jax.grad inside); running it as a plain jax.jit.",
+                    stacklevel=5)
+                self._warned_no_backward = True
+            return strategies.plan_none(analysis)
+        if self.strategy == "none":
+            return strategies.plan_none(analysis)
+        return strategies.plan_auto(analysis,
+                                    max_recompute_fraction=self.max_recompute_fraction)
+
     def _check_offload(self, analysis: Analysis) -> None:
         """Offload needs a host memory kind; tags the rewrite cannot reach are reported."""
-        from jaxmem import _jax
-        from jaxmem.costmodel import offload_tagged, offload_tags_out_of_reach
-
         far = offload_tags_out_of_reach(analysis)
         wanted = self.offload in (True, "auto") or offload_tagged(analysis)
         if wanted and "pinned_host" not in (kinds := _jax.memory_kinds()):
@@ -306,8 +335,9 @@ class Optimized:
         base_exe = measure.compile(plain.lower(*flat))
         base = measure.figures(base_exe)
         variants = [plan]
-        strict = planning.plan_auto(analysis, max_recompute_fraction=self.max_recompute_fraction,
-                                    max_layer_fraction=0.05)
+        strict = strategies.plan_auto(analysis,
+                                      max_recompute_fraction=self.max_recompute_fraction,
+                                      max_layer_fraction=0.05)
         if strict.recompute and strict.recompute != plan.recompute:
             variants.append(dataclasses.replace(strict, donated=plan.donated))
         best, best_fig, best_exe = None, None, None
@@ -318,7 +348,7 @@ class Optimized:
                 best, best_fig, best_exe = p, fig, exe
         if best_fig.peak < base.peak:
             return best.with_figures(best_fig, base), best_exe
-        none = dataclasses.replace(planning.plan_none(analysis), donated=plan.donated)
+        none = dataclasses.replace(strategies.plan_none(analysis), donated=plan.donated)
         note = (f"the {plan.strategy!r} plan compiled to a peak of {fmt_bytes(best_fig.peak)}, "
                 f"not below the plain step's {fmt_bytes(base.peak)}: kept the plain step "
                 "(pass verify=False to force the plan, or try a budget)")
@@ -340,6 +370,73 @@ class Optimized:
 def _figures(jitted: Any, flat: Sequence[Any]) -> Figures:
     """Compiled figures of ``jitted`` on the flat arguments, compiled the jaxmem way."""
     return measure.figures(measure.compile(jitted.lower(*flat)))
+
+
+def device_peak(program: Program, plan: Plan, compiled: Figures) -> tuple[int, str | None]:
+    """The device peak to check a budget against, and a note when it is an estimate.
+
+    XLA's compiled peak, except for a plan that offloads compiled on CPU: XLA:CPU strips
+    host placement, so its peak still counts the offloaded values on the device; the
+    estimate subtracts what :func:`host_correction` says is in host memory at the peak.
+    """
+    if not plan.offload or jax.default_backend() not in ("cpu",):
+        return compiled.peak, None
+    try:
+        corr = host_correction(program, plan, donated=compiled.alias > 0)
+    except Exception as e:  # noqa: BLE001 - an estimate: fall back to the offloaded bytes
+        corr = sum(c.residual.nbytes for c in plan.of(Decision.OFFLOAD))
+        why = f"(rewritten program not analysable: {type(e).__name__}; used offloaded bytes)"
+    else:
+        why = "(host-resident bytes at the rewritten program's predicted peak)"
+    est = max(compiled.peak - corr, 0)
+    return est, (f"CPU compile strips host placement, so XLA's compiled peak "
+                 f"{fmt_bytes(compiled.peak)} still counts the offloaded residuals on the "
+                 f"device; the budget was checked against the predicted device peak "
+                 f"{fmt_bytes(est)} = compiled - {fmt_bytes(corr)} {why}. On a GPU the "
+                 f"compiled peak itself drops")
+
+
+def host_correction(program: Program, plan: Plan, donated: bool = False) -> int:
+    """Predicted device bytes the offloads free at the peak: the bytes placed in host memory
+    that are live at the peak of the rewritten program's liveness. ``donated``: the step was
+    compiled with its state donated (outputs alias the inputs of the same shape and dtype).
+
+    An estimate for CPU, where XLA strips host placement: it assumes the compiled peak stays
+    where the liveness model puts it. A GPU compile reports the real figure."""
+    avals = [jax.ShapeDtypeStruct(v.shape, v.aval.dtype if v.aval is not None else v.dtype)
+             for v in (program.values[i] for i in program.inputs)]
+    p2 = from_jaxpr(jax.make_jaxpr(apply(program, plan))(*avals))
+    donate: list[int] = []
+    if donated:
+        free: dict[tuple, list[int]] = {}
+        for k, i in enumerate(p2.inputs):
+            v = p2.values[i]
+            free.setdefault((v.shape, str(v.dtype)), []).append(k)
+        for o in p2.outputs:
+            v = p2.values[o]
+            if v.producer is not None and free.get((v.shape, str(v.dtype))):
+                donate.append(free[(v.shape, str(v.dtype))].pop())
+    # The host-resident bytes at the rewritten program's own peak (where XLA's compiled
+    # peak is taken to be): what the device does not hold there.
+    _, with_host, _ = liveness(p2, donated=donate)
+    _, device, _ = liveness(p2, donated=donate, device_only=True)
+    if not with_host:
+        return 0
+    i = int(np.argmax(with_host))
+    return max(0, with_host[i] - device[i])
+
+
+def pareto(step: Callable[..., Any], *args: Any,
+           budgets: Sequence[Any] = (1.0, 0.7, 0.5, 0.35), offload: bool | str = False,
+           **optimize_kwargs: Any) -> Pareto:
+    """Optimise ``step`` at each budget and tabulate (budget, compiled peak, FLOPs overhead).
+
+    Example:
+      >>> sweep = jaxmem.pareto(step, state, batch, budgets=(0.7, 0.5, 0.35))  # doctest: +SKIP
+      >>> print(sweep); sweep.plot()                                            # doctest: +SKIP
+    """
+    return sweep(lambda b: optimize(step, budget=b, offload=offload,
+                                    **optimize_kwargs).plan(*args), budgets)
 
 
 def _flat_positions(dyn_args: tuple[Any, ...], kwargs: dict[str, Any],

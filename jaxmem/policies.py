@@ -1,15 +1,18 @@
 """``jax.checkpoint`` policies that apply jaxmem's decisions (MEDL's rule and jaxmem plans).
 
-A policy is what ``jax.checkpoint(fn, policy=...)``, ``flax.linen.remat`` and ``nnx.remat``
-take: a function called once per primitive of the differentiated body as
-``policy(primitive, *input_avals, **params)``, answering whether that primitive's outputs may
-be kept for the backward pass (``Saveable`` / ``True``), must be recomputed (``Recompute`` /
-``False``) or moved to host memory (``Offloadable(src, dst)``). A policy sees no name stack
-and no module path: identity comes only from ``jax.ad_checkpoint.checkpoint_name`` tags.
+Fourth box of the data flow for code still to be differentiated (``Plan -> jax.checkpoint
+policy``), beside the joint rewrite of :mod:`jaxmem.rewrite`. A policy is what
+``jax.checkpoint(fn, policy=...)``, ``flax.linen.remat`` and ``nnx.remat`` take: a function
+called once per primitive of the differentiated body as ``policy(primitive, *input_avals,
+**params)``, answering whether that primitive's outputs may be kept for the backward pass
+(``Saveable`` / ``True``), must be recomputed (``Recompute`` / ``False``) or moved to host
+memory (``Offloadable(src, dst)``). A policy sees no name stack and no module path: identity
+comes only from ``jax.ad_checkpoint.checkpoint_name`` tags.
 
-- :func:`utility` — MEDL's rule by primitive: keep the outputs of *heavy* layers (matmuls,
-  convolutions; see :mod:`jaxmem.primitives`), recompute the outputs of *utility* layers
-  (activations, normalisation, dropout, adds, pooling) and of free ones (reshapes, casts).
+- :func:`utility` — MEDL's rule (:func:`jaxmem.strategies.medl_keeps`) by primitive: keep
+  the outputs of *heavy* layers (matmuls, convolutions; see :mod:`jaxmem.primitives`),
+  recompute the outputs of *utility* layers (activations, normalisation, dropout, adds,
+  pooling) and of free ones (reshapes, casts).
   Batched matmuls (``dot_general`` with batch dimensions, e.g. attention scores
   ``[B, H, T, T]``) count as heavy and are kept: recomputing them costs a matmul, and this is
   what ``jax.checkpoint_policies.dots_saveable`` does too.
@@ -23,7 +26,7 @@ and no module path: identity comes only from ``jax.ad_checkpoint.checkpoint_name
   recompute); composes with ``jax.checkpoint_policies``.
 
 Unknown primitives (in no table of :mod:`jaxmem.primitives`) and collectives are kept: the
-conservative choice, as in :func:`jaxmem.plan.plan_auto`.
+conservative choice, as in :func:`jaxmem.strategies.plan_auto`.
 
 Example:
   >>> import jax, jax.numpy as jnp, jaxmem.policies
@@ -38,16 +41,14 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 from jax.ad_checkpoint import Offloadable, Recompute, Saveable
 
 from jaxmem import _jax
-from jaxmem import primitives as P
-
-if TYPE_CHECKING:
-    from jaxmem.plan import Plan
+from jaxmem.plan import Decision, Plan
+from jaxmem.strategies import medl_keeps_primitive
 
 __all__ = [
     "Policy", "TAG_PREFIX", "combine", "from_plan", "is_jaxmem_tag", "save_heavy_and_names",
@@ -78,25 +79,11 @@ def is_jaxmem_tag(name: str) -> bool:
     return isinstance(name, str) and name.startswith(TAG_PREFIX)
 
 
-def _has_batch_dims(params: dict[str, Any]) -> bool:
-    dims = params.get("dimension_numbers")
-    try:
-        (_, _), (lhs_batch, _) = dims
-    except (TypeError, ValueError):
-        return False
-    return bool(lhs_batch)
-
-
 def _keep_by_primitive(prim: Any, params: dict[str, Any], batched_dots: bool) -> bool:
-    name = getattr(prim, "name", str(prim))
     if prim is _jax.name_p:
         return False  # the tagged value's producer decides
-    kind = P.classify(name)
-    if kind == "heavy":
-        return batched_dots or name != "dot_general" or not _has_batch_dims(params)
-    # unknown: kept (conservative, like plan_auto; collectives land here too); utility, free
-    # and control are recomputed (nested bodies get the policy per primitive)
-    return kind == "unknown"
+    return medl_keeps_primitive(getattr(prim, "name", str(prim)), params,
+                                batched_dots=batched_dots)
 
 
 def utility(prim: Any, *avals: Any, **params: Any) -> Any:
@@ -207,8 +194,6 @@ def from_plan(plan: Plan, *, fallback: Policy | None = None,
       >>> callable(policy)
       True
     """
-    from jaxmem.plan import Decision, Plan
-
     if not isinstance(plan, Plan):
         raise TypeError(f"from_plan expects a jaxmem.Plan (e.g. jaxmem.checkpoint(fn).plan("
                         f"*args)), got {type(plan).__name__}")

@@ -1,22 +1,47 @@
 """What each JAX primitive costs, and whether its output is worth keeping.
 
-The classification is MEDL's: outputs of *heavy* layers (matmuls, convolutions) are
-expensive to recompute and are kept; outputs of *utility* layers (activations,
-normalisation arithmetic, dropout masks, adds, pooling, concatenation) are cheap and are
-recomputed in the backward pass; *free* primitives (reshape, broadcast, convert, slicing)
-do no arithmetic at all. One table, easy to extend with :func:`register`.
+Read by the first box of the data flow (``fn + args -> Program``), which gives every node
+its :class:`Kind` and FLOPs. The classification is MEDL's: outputs of *heavy* layers
+(matmuls, convolutions) are expensive to recompute and are kept; outputs of *utility* layers
+(activations, normalisation arithmetic, dropout masks, adds, pooling, concatenation) are
+cheap and are recomputed in the backward pass; *free* primitives (reshape, broadcast,
+convert, slicing) do no arithmetic at all. One table, easy to extend with :func:`register`.
 
 An unknown primitive is classified ``"unknown"``: jaxmem keeps its output (the
 conservative choice) and reports it in :attr:`jaxmem.Analysis.unknown_primitives`.
+What is done with each kind (MEDL's rule) lives in :mod:`jaxmem.strategies`.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
-Kind = Literal["heavy", "utility", "free", "control", "unknown"]
+
+class Kind(enum.StrEnum):
+    """What a node (or a value, by its producer) is, for recompute decisions.
+
+    A ``str`` enum: ``Kind.HEAVY == "heavy"``, and it prints and formats as its value, so
+    comparisons with strings and printed tables read as before.
+    """
+
+    HEAVY = "heavy"          # matmul, convolution, FFT, decompositions: expensive to redo
+    UTILITY = "utility"      # elementwise, activations, reductions, pooling, RNG bits
+    FREE = "free"            # reshape, broadcast, convert, slicing: no arithmetic
+    CONTROL = "control"      # a control-flow or custom-derivative unit, kept whole
+    UNKNOWN = "unknown"      # in no table: kept, and reported
+    ARGUMENT = "argument"    # a value no node makes: a program input ...
+    CONSTANT = "constant"    # ... or a constant
+
+    def __repr__(self) -> str:  # dataclass reprs and doctests show 'heavy', not <Kind...>
+        return repr(self.value)
+
+
+#: Kinds that do elementwise or layout work only: cheap to recompute (MEDL's utility
+#: layers) and fused by XLA into their readers.
+CHEAP: frozenset[Kind] = frozenset({Kind.UTILITY, Kind.FREE})
 
 HEAVY: set[str] = {
     "dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general", "fft",
@@ -68,7 +93,7 @@ CONTROL: set[str] = {
 UNKNOWN_SAFE: set[str] = {"psum", "pmax", "pmin", "all_gather", "all_to_all", "ppermute"}
 
 
-def register(name: str, kind: Kind) -> None:
+def register(name: str, kind: Kind | str) -> None:
     """Classify primitive ``name`` as ``kind`` (``"heavy"``, ``"utility"`` or ``"free"``).
 
     Example:
@@ -77,24 +102,25 @@ def register(name: str, kind: Kind) -> None:
       >>> P.classify("my_fused_matmul")
       'heavy'
     """
-    if kind not in ("heavy", "utility", "free"):
+    tables = {Kind.HEAVY: HEAVY, Kind.UTILITY: UTILITY, Kind.FREE: FREE}
+    if kind not in tables:
         raise ValueError(f"kind must be 'heavy', 'utility' or 'free', got {kind!r}")
-    for table in (HEAVY, UTILITY, FREE):
+    for table in tables.values():
         table.discard(name)
-    {"heavy": HEAVY, "utility": UTILITY, "free": FREE}[kind].add(name)
+    tables[Kind(kind)].add(name)
 
 
 def classify(name: str) -> Kind:
     """The kind of primitive ``name``; ``"unknown"`` if it is in no table."""
     if name in HEAVY:
-        return "heavy"
+        return Kind.HEAVY
     if name in FREE:
-        return "free"
+        return Kind.FREE
     if name in UTILITY:
-        return "utility"
+        return Kind.UTILITY
     if name in CONTROL:
-        return "control"
-    return "unknown"
+        return Kind.CONTROL
+    return Kind.UNKNOWN
 
 
 def size(aval: Any) -> int:
@@ -127,8 +153,7 @@ def flops(name: str, in_avals: Sequence[Any], out_avals: Sequence[Any],
         spec = params["dimension_numbers"].rhs_spec  # (out feature, in feature, *spatial)
         k = math.prod(rhs[d] for d in spec[1:])
         return 2.0 * out_size * k
-    kind = classify(name)
-    if kind == "free":
+    if classify(name) is Kind.FREE:
         return 0.0
     if name in ("random_bits", "threefry2x32"):
         # Threefry hashing: XLA's cost model counts 45 FLOPs per generated 32-bit word.

@@ -102,7 +102,7 @@ class Program:
         """
         out: set[int] = set()
         for n in self.nodes:
-            if n.kind not in ("utility", "free") or getattr(n.eqn, "effects", None):
+            if n.kind not in P.CHEAP or getattr(n.eqn, "effects", None):
                 continue
             if all(self.values[v].is_const or v in out for v in n.inputs):
                 out.update(n.outputs)
@@ -180,20 +180,20 @@ def _unit_kind_and_flops(eqn: Any) -> tuple[P.Kind, float, int]:
         total = max((f for _, f in costs), default=0.0)
     else:
         total = sum(f for _, f in costs)
-    if "heavy" in kinds:
-        kind: P.Kind = "heavy"
-    elif "unknown" in kinds or "control" in kinds:
-        kind = "control"
+    if P.Kind.HEAVY in kinds:
+        kind = P.Kind.HEAVY
+    elif P.Kind.UNKNOWN in kinds or P.Kind.CONTROL in kinds:
+        kind = P.Kind.CONTROL
     elif name in ("scan", "while"):
-        kind = "control"  # loops are kept whole; their bodies are remat'd by the policy path
+        kind = P.Kind.CONTROL  # loops are kept whole; their bodies are remat'd by the policy
     else:
-        kind = "utility"
+        kind = P.Kind.UTILITY
     return kind, total, trips
 
 
 @functools.lru_cache(maxsize=4096)
 def _jaxpr_cost_cached(jaxpr: Any) -> tuple[P.Kind, float]:
-    kinds: set[str] = set()
+    kinds: set[P.Kind] = set()
     total = 0.0
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
@@ -205,11 +205,11 @@ def _jaxpr_cost_cached(jaxpr: Any) -> tuple[P.Kind, float]:
                         eqn.params)
         kinds.add(k)
         total += f
-    if "heavy" in kinds:
-        return "heavy", total
-    if "unknown" in kinds or "control" in kinds:
-        return "control", total
-    return "utility", total
+    if P.Kind.HEAVY in kinds:
+        return P.Kind.HEAVY, total
+    if P.Kind.UNKNOWN in kinds or P.Kind.CONTROL in kinds:
+        return P.Kind.CONTROL, total
+    return P.Kind.UTILITY, total
 
 
 def _jaxpr_cost(jaxpr: Any) -> tuple[P.Kind, float]:
@@ -276,7 +276,7 @@ class _Builder:
         else:
             kind = P.classify(name)
             fl = P.flops(name, in_avals, out_avals, eqn.params)
-            if kind == "unknown":
+            if kind is P.Kind.UNKNOWN:
                 self.unknown[name] = None
         moved = sum(P.nbytes(a) for a in in_avals) + sum(P.nbytes(a) for a in out_avals)
         self.nodes.append(Node(

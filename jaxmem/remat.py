@@ -2,13 +2,15 @@
 
 :func:`jaxmem.optimize` rewrites a whole train step (the gradient is already inside it).
 A loss, a block, or the body of a ``lax.scan`` / ``nn.scan`` is differentiated *later*, by
-the caller; for those, jaxmem applies its plan through ``jax.checkpoint``:
+the caller; for those, this module runs the whole data flow and applies its plan through
+``jax.checkpoint`` (the fourth box as a policy):
 
 1. trace ``fn`` for the given argument shapes into a :class:`jaxmem.program.Program`;
 2. tag every value it computes (outputs of heavy, utility and control-flow equations) with
    ``checkpoint_name("jaxmem#<value id>")``;
 3. ask JAX which tagged values the backward pass would keep with no remat at all (the
-   *residuals*) and plan them: MEDL's rule (keep heavy outputs, recompute utility ones), or,
+   *residuals*) and plan them: MEDL's rule (:func:`jaxmem.strategies.medl_keeps`: keep
+   heavy outputs, recompute utility ones; chains as :mod:`jaxmem.chains` defines them), or,
    under a per-call ``budget``, a greedy choice of the values that are most expensive to
    recompute per byte;
 4. run the tagged function under ``jax.checkpoint(policy=jaxmem.policies.from_plan(plan))``.
@@ -33,16 +35,21 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxmem import _jax, policies
+from jaxmem import _jax, chains, policies
 from jaxmem import program as _program
 from jaxmem.analysis import Residual
+from jaxmem.budget.units import parse_budget
 from jaxmem.measure import fmt_bytes
 from jaxmem.plan import Choice, Decision, Plan
+from jaxmem.primitives import Kind
+from jaxmem.strategies import medl_keeps
 
 __all__ = ["Checkpointed", "checkpoint", "parse_bytes"]
 
 STRATEGIES = ("auto", "none", "full")
 _TAG_RE = re.compile(re.escape(policies.TAG_PREFIX) + r"(\d+)")
+
+
 def parse_bytes(spec: int | str) -> int:
     """``"6GiB"``, ``"500MB"``, ``"1.5 MiB"`` or an int -> bytes (``jaxmem.budget``'s parser).
 
@@ -50,8 +57,6 @@ def parse_bytes(spec: int | str) -> int:
       >>> parse_bytes("1.5 KiB")
       1536
     """
-    from jaxmem.budget import parse_budget
-
     if isinstance(spec, float):
         raise TypeError(f"jaxmem.checkpoint's budget is bytes per call (an int or a string like "
                         f"'6GiB'), got the float {spec!r}; fractions need a whole step, see "
@@ -105,7 +110,7 @@ class _Split:
 # --- the tagged interpreter ----------------------------------------------------------------
 
 def _taggable(prog: _program.Program, node: _program.Node, vid: int) -> bool:
-    if node.kind == "free" or node.primitive == "name":
+    if node.kind == Kind.FREE or node.primitive == "name":
         return False
     v = prog.values[vid]
     try:
@@ -140,45 +145,22 @@ def _run(prog: _program.Program, tags: frozenset[int], dyn: Sequence[Any]) -> li
 
 # --- planning ------------------------------------------------------------------------------
 
-def _chain_flops(prog: _program.Program, vid: int, stop: frozenset[int]) -> tuple[float, tuple]:
-    """FLOPs to re-create ``vid`` from ``stop`` values, inputs and constants (each node once)."""
-    seen: set[int] = set()
-    todo = [vid]
-    while todo:
-        v = todo.pop()
-        p = prog.values[v].producer
-        if p is None or p in seen:
-            continue
-        seen.add(p)
-        for i in prog.nodes[p].inputs:
-            if i not in stop:
-                todo.append(i)
-    return float(sum(prog.nodes[i].flops for i in seen)), tuple(sorted(seen))
+def _chain_flops(prog: _program.Program, vid: int, saved: frozenset[int]) -> tuple[float, tuple]:
+    """FLOPs to re-create ``vid`` under ``jax.checkpoint`` (chains start at the ``saved``
+    values and the inputs: no anchors), and the chain's nodes."""
+    starts = chains.chain_start(prog, kept=saved, anchors=False)
+    nodes = chains.replay_chain(prog, [vid], starts)[0]
+    return float(sum(prog.nodes[i].flops for i in nodes)), tuple(nodes)
 
 
 def _anchors(prog: _program.Program, vids: Sequence[int]) -> set[int]:
-    """Outputs of heavy (or control/unknown) nodes that re-creating ``vids`` starts from.
+    """Values the program makes that re-creating ``vids`` from anchors starts from.
 
     MEDL: utility outputs are recomputed *from the outputs of the expensive layers*; those
     outputs must be kept even when the backward pass does not read them directly.
     """
-    out: set[int] = set()
-    seen: set[int] = set()
-    todo = list(vids)
-    while todo:
-        v = todo.pop()
-        if v in seen:
-            continue
-        seen.add(v)
-        p = prog.values[v].producer
-        if p is None:
-            continue
-        node = prog.nodes[p]
-        if node.kind not in ("utility", "free") and v not in vids:
-            out.add(v)
-            continue
-        todo.extend(node.inputs)
-    return out
+    inputs = chains.replay_chain(prog, list(vids), chains.chain_start(prog))[1]
+    return {v for v in inputs if prog.values[v].producer is not None}
 
 
 def _residual(prog: _program.Program, vid: int, stop: frozenset[int]) -> Residual:
@@ -189,7 +171,8 @@ def _residual(prog: _program.Program, vid: int, stop: frozenset[int]) -> Residua
     layer = node.layer if node else ""
     return Residual(
         name=f"{layer or '<top>'}/{prim}#{vid}", value=vid, shape=v.shape, dtype=v.dtype,
-        nbytes=v.nbytes, layer=layer, primitive=prim, kind=node.kind if node else "argument",
+        nbytes=v.nbytes, layer=layer, primitive=prim,
+        kind=node.kind if node else Kind.ARGUMENT,
         readers=(), recompute_flops=flops, recompute_bytes=0.0, chain=chain,
         produced_at=node.index if node else -1)
 
@@ -220,15 +203,16 @@ def _resolve_budget(budget: Any, all_bytes: int) -> int | None:
     return parse_bytes(budget)
 
 
-def _plan(prog: _program.Program, residual_ids: Sequence[int], strategy: str,
-          budget: int | None, offload: bool, argument_bytes: int) -> Plan:
+def _decide(prog: _program.Program, residual_ids: Sequence[int], strategy: str,
+            budget: int | None, offload: bool, argument_bytes: int) -> Plan:
+    """The :class:`~jaxmem.plan.Plan` for the tagged residuals: MEDL's rule
+    (:func:`jaxmem.strategies.medl_keeps`), or with a budget a greedy choice within it."""
     ids = tuple(residual_ids)
+    kind = {i: prog.nodes[prog.values[i].producer].kind for i in ids}
     if strategy == "auto":  # the heavy outputs recompute chains start from are candidates too
-        utility_ids = [i for i in ids
-                       if prog.nodes[prog.values[i].producer].kind in ("utility", "free")]
-        ids = tuple(sorted(set(ids) | _anchors(prog, utility_ids)))
-    heavy_like = frozenset(i for i in ids if prog.nodes[prog.values[i].producer].kind
-                           not in ("utility", "free"))
+        ids = tuple(sorted(set(ids) | _anchors(prog, [i for i in ids if not medl_keeps(kind[i])])))
+        kind = {i: prog.nodes[prog.values[i].producer].kind for i in ids}
+    heavy_like = frozenset(i for i in ids if medl_keeps(kind[i]))
     decisions: dict[int, tuple[Decision, str]] = {}
     if strategy == "none":
         for i in ids:
@@ -238,11 +222,10 @@ def _plan(prog: _program.Program, residual_ids: Sequence[int], strategy: str,
             decisions[i] = (Decision.RECOMPUTE, "strategy='full': recompute everything")
     elif budget is None:  # MEDL
         for i in ids:
-            kind = prog.nodes[prog.values[i].producer].kind
             if i in heavy_like:
-                decisions[i] = (Decision.SAVE, f"{kind} output: kept (MEDL)")
+                decisions[i] = (Decision.SAVE, f"{kind[i]} output: kept (MEDL)")
             else:
-                decisions[i] = (Decision.RECOMPUTE, f"{kind} output: recomputed from kept "
+                decisions[i] = (Decision.RECOMPUTE, f"{kind[i]} output: recomputed from kept "
                                 "heavy outputs (MEDL)")
     else:  # greedy: most recompute FLOPs per byte first, heavy outputs before utility ones
         stop = frozenset(ids)
@@ -323,7 +306,7 @@ class Checkpointed:
         ids, _ = _residual_tags(lambda *d: _run(prog, tags, d), split.dyn)
         arg_bytes = sum(prog.values[i].nbytes for i in prog.inputs)
         budget = _resolve_budget(self.budget, sum(prog.values[i].nbytes for i in ids))
-        plan = _plan(prog, ids, self.strategy, budget, self.offload, arg_bytes)
+        plan = _decide(prog, ids, self.strategy, budget, self.offload, arg_bytes)
         plan = Plan(**{**plan.__dict__, "notes": plan.notes + (_signature(prog),)})
         policy = policies.from_plan(plan, fallback=self.extra_policy)
         if self.strategy == "none" and self.extra_policy is None:

@@ -52,6 +52,9 @@ import jax
 
 from jaxmem import _jax
 
+__all__ = ["Target", "TargetError", "available", "describe", "get", "names", "of", "place",
+           "platform_of", "require"]
+
 _CONFIG_DIR = Path(__file__).with_name("target_configs")
 
 #: Name -> (platform, description, GPU config file or TPU topology, device profile).
@@ -142,14 +145,13 @@ class Target:
         (``HloRematerialization``); a smaller ``device_memory_size`` emulates a smaller
         device, so what the compiler does at that size can be measured here.
         """
-        from jaxmem.budget import parse_budget
+        from jaxmem.measure import parse_bytes
 
         if self.platform != "cuda" or self.config is None:
             raise TargetError(f"with_memory needs a GPU target config, got {self.name!r}")
-        kind, value = parse_budget(nbytes)
-        if kind != "bytes":
-            raise TargetError(f"with_memory takes bytes or a size string, got {nbytes!r}")
-        size = int(value)
+        size = parse_bytes(nbytes, "device memory") if isinstance(nbytes, str) else int(nbytes)
+        if size <= 0:
+            raise TargetError(f"with_memory needs a positive size, got {nbytes!r}")
         cfg, n = re.subn(r"device_memory_size:\s*\d+", f"device_memory_size: {size}",
                          self.config)
         if not n:

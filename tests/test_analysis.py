@@ -88,7 +88,8 @@ def test_relu_dead_zero_broadcasts_are_not_residuals():
 def test_values_made_from_constants_are_not_residuals():
     """A broadcast zero (or iota) a backward equation reads is re-derived by XLA inside its
     reader; jaxmem neither counts it as a residual nor keeps it, nor ties a barrier to it."""
-    from jaxmem.analysis import from_program, storable
+    from jaxmem.analysis import from_program
+    from jaxmem.chains import stored_values
 
     def step(w, x):
         def loss(w):
@@ -103,7 +104,7 @@ def test_values_made_from_constants_are_not_residuals():
     assert {"broadcast_in_dim", "iota"} & prims, prims
     a = from_program(prog)
     assert not {r.value for r in a.residuals} & made
-    assert not storable(prog, made)[0] & made
+    assert not stored_values(prog, made)[0] & made
     # every constant-derived value has only constants (or others like it) as inputs
     for v in made:
         n = prog.nodes[prog.values[v].producer]
@@ -144,7 +145,7 @@ def test_recompute_chain_stops_at_heavy_outputs():
     by_prim = {r.primitive: r for r in a.residuals}
     assert set(by_prim) >= {"tanh", "argument"}
     tanh = by_prim["tanh"]
-    assert tanh.kind == "utility" and tanh.recomputable
+    assert tanh.kind == "utility" and tanh.is_utility
     assert [prog.nodes[i].primitive for i in tanh.chain] == ["sin", "tanh"]
     assert tanh.recompute_flops == 2 * 8 * 16
     assert all(prog.nodes[i].phase == "backward" for i in tanh.readers)

@@ -208,7 +208,7 @@ def test_exact_time_limit_falls_back():
 
 def test_pareto_rows(mlp):
     step, args, _ = mlp
-    sweep = jaxmem.budget.pareto(step, *args, budgets=(1.0, 0.9), donate_argnums=())
+    sweep = jaxmem.pareto(step, *args, budgets=(1.0, 0.9), donate_argnums=())
     assert len(sweep.rows) == 2 and "budget" in str(sweep)
     for r in sweep.rows:
         assert not r.fits or r.compiled_peak <= r.budget_bytes
@@ -221,7 +221,7 @@ def test_loop_candidates_are_monotone_and_error_reports_lowest():
     drops a superset of it, and BudgetError carries the lowest compiled peak. (The block
     plans tried last, one region per block, are another family: they keep block inputs.)"""
     from jaxmem.measure import Figures
-    from jaxmem.plan import plan_auto
+    from jaxmem.strategies import plan_auto
 
     step, args = _mlp(depth=6, batch=256)
     a = from_program(jaxmem.trace(step, *args))
@@ -260,7 +260,7 @@ def test_plan_flops_are_the_rewrites_exact_count():
 
 
 def test_persist_recomputes_a_segment_once():
-    """rewrite(persist=...) keeps re-created segment values for later backward regions: same
+    """rewrite(reuse=...) keeps re-created segment values for later backward regions: same
     outputs, fewer re-bound equations; the default replays per region (unchanged)."""
     from jaxmem.rewrite import rewrite
 
@@ -271,7 +271,7 @@ def test_persist_recomputes_a_segment_once():
     res = frozenset(r.value for r in a.residuals)
     flat = jax.tree.leaves(args)
     per_region = rewrite(prog, seg.recompute, residuals=res)
-    once = rewrite(prog, seg.recompute, residuals=res, persist=seg.recompute)
+    once = rewrite(prog, seg.recompute, residuals=res, reuse=seg.recompute)
     n_per = len(jax.make_jaxpr(per_region)(*flat).jaxpr.eqns)
     n_once = len(jax.make_jaxpr(once)(*flat).jaxpr.eqns)
     assert n_once < n_per
@@ -285,8 +285,8 @@ def zoo_blocks():
     reordering noise in near-zero gradients) at test size, with block plans compiled."""
     from benchmarks import zoo
     from jaxmem import measure
-    from jaxmem.plan import block_depths, plan_auto, plan_blocks
     from jaxmem.rewrite import rewrite
+    from jaxmem.strategies import block_depths, plan_auto, plan_blocks
 
     out = {}
     for name in ("mlp", "transformer"):
@@ -323,8 +323,9 @@ def test_resave_spends_headroom_on_the_cheapest_recompute(zoo_blocks):
     """resave keeps some re-created values again: fewer predicted and compiled FLOPs than
     the block plan, exact outputs, and the bytes it re-saves stay within the headroom."""
     from jaxmem import measure
-    from jaxmem.plan import recompute_cost, resave
+    from jaxmem.plan import recompute_cost
     from jaxmem.rewrite import rewrite
+    from jaxmem.strategies import resave
 
     z = zoo_blocks["transformer"]
     blk, a = z["blk"], z["analysis"]
@@ -352,8 +353,8 @@ def test_block_regions_read_kept_values_through_their_barrier():
     forward pass and keep both: on a conv+BN net that is a lower temp, same outputs."""
     from benchmarks import zoo
     from jaxmem import measure
-    from jaxmem.plan import plan_blocks
     from jaxmem.rewrite import rewrite
+    from jaxmem.strategies import plan_blocks
 
     w = zoo.make("cnn_bn", size="test")
     prog = jaxmem.trace(w.step, *w.args)
@@ -363,7 +364,7 @@ def test_block_regions_read_kept_values_through_their_barrier():
     flat = jax.tree.leaves(w.args)
     donate = tuple(range(len(jax.tree.leaves(w.args[0]))))
     fns = {route: rewrite(prog, blk.recompute, residuals=res | blk.keep, region_depth=2,
-                          route_kept=route) for route in (False, True)}
+                          tie_kept=route) for route in (False, True)}
     temp = {route: measure.figures(measure.compile(
         jax.jit(f, donate_argnums=donate).lower(*flat))).temp for route, f in fns.items()}
     assert temp[True] < temp[False], temp

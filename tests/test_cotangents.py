@@ -17,9 +17,9 @@ import jax
 from benchmarks import zoo
 from jaxmem import measure
 from jaxmem.analysis import from_program
-from jaxmem.plan import plan_auto
 from jaxmem.program import trace
 from jaxmem.rewrite import crossing_cotangents, rewrite
+from jaxmem.strategies import plan_auto
 
 
 @functools.cache

@@ -132,8 +132,8 @@ def test_block_plan_offloads_boundary_values():
     avals in the rewritten jaxpr, outputs identical to the plain step (dropout included)."""
     from benchmarks import zoo
     from jaxmem.analysis import from_program
-    from jaxmem.plan import block_depths, block_offload_candidates, plan_blocks
     from jaxmem.rewrite import rewrite
+    from jaxmem.strategies import block_depths, block_offload_candidates, plan_blocks
 
     w = zoo.make("transformer", size="test")
     prog = jaxmem.trace(w.loss_and_grads, *w.args)

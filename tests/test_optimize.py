@@ -331,7 +331,7 @@ def test_verify_keeps_the_plain_step_when_no_plan_is_smaller(workloads):
 def test_dropout_masks_are_kept_narrow():
     """A kept dropout mask is 1 byte per element; unpinned, XLA keeps its 4-byte uniform."""
     from benchmarks import zoo
-    from jaxmem import plan as planning
+    from jaxmem import strategies as planning
     from jaxmem.analysis import from_program
     from jaxmem.program import trace
     from jaxmem.rewrite import narrow_residuals, rewrite
@@ -353,7 +353,7 @@ def test_dropout_masks_are_kept_narrow():
     ref = jax.jit(w.step)(*w.args)
     figs = {}
     for pin in (True, False):
-        fn = rewrite(prog, plan.recompute, plan.offload, residuals, pin_narrow=pin)
+        fn = rewrite(prog, plan.recompute, plan.offload, residuals, keep_narrow=pin)
         assert_same(jax.tree.leaves(ref), jax.jit(fn)(*flat))
         figs[pin] = measure.figures(measure.compile(jax.jit(fn).lower(*flat)))
     assert figs[True].temp < figs[False].temp, figs

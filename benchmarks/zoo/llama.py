@@ -47,20 +47,18 @@ import optax
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from benchmarks.zoo.maxtext_presets import PRESETS
 from benchmarks.zoo._common import (
     Batch,
     Built,
-    GradFn,
     ModelSpec,
     Policy,
     PyTree,
     State,
-    StepFn,
 )
 from benchmarks.zoo._common import cross_entropy as _cross_entropy
 from benchmarks.zoo._common import linen_train_step as _linen_train_step
 from benchmarks.zoo._common import token_data as _token_data
+from benchmarks.zoo.maxtext_presets import PRESETS
 
 __all__ = [
     "BUILDERS",

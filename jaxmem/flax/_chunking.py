@@ -25,10 +25,10 @@ from jaxmem.chunked import (
     _BCAST,
     _DEFAULT,
     _arg_names,
+    _layout,
     _leaf_axes,
     _named_leaves,
     _out_axes,
-    _plan,
     _run,
     _stack,
     _unstack,
@@ -119,7 +119,7 @@ def linen_chunked(
         names = _arg_names(orig, len(args) + 1)[1:]
         leaves, treedef = jax.tree_util.tree_flatten(args)
         axes = _leaf_axes(args, in_axes, names)
-        plan, axes = _plan(_named_leaves(args, names), leaves, axes, chunks)
+        layout, axes = _layout(_named_leaves(args, names), leaves, axes, chunks)
         cut = [i for i, a in enumerate(axes) if a is not _BCAST]
 
         def call(mdl: nn.Module, chunk: list[Any]) -> Any:
@@ -141,20 +141,19 @@ def linen_chunked(
             body,
             variable_broadcast=variable_broadcast,
             split_rngs=split_rngs,
-            length=plan.full,
+            length=layout.full,
             in_axes=0,
             out_axes=0,
         )
-        _, ys = scan(self, 0, [_stack(leaves[i], axes[i], plan) for i in cut])
+        _, ys = scan(self, 0, [_stack(leaves[i], axes[i], layout) for i in cut])
         y_leaves, out_tree = jax.tree_util.tree_flatten(ys)
         oaxes = _out_axes(ys, out_axes)
         outs = []
         for y, a in zip(y_leaves, oaxes, strict=True):
-            outs.append(y.sum(0) if a is _BCAST else _unstack(y, a % (y.ndim - 1), plan))
-        if plan.tail:
-            tail = [
-                lax.slice_in_dim(leaves[i], plan.n - plan.tail, plan.n, axis=axes[i]) for i in cut
-            ]
+            outs.append(y.sum(0) if a is _BCAST else _unstack(y, a % (y.ndim - 1), layout))
+        if layout.tail:
+            lo, hi = layout.n - layout.tail, layout.n
+            tail = [lax.slice_in_dim(leaves[i], lo, hi, axis=axes[i]) for i in cut]
             t_leaves = jax.tree_util.tree_leaves(tail_call(self, tail))
             outs = [
                 o + t if a is _BCAST else jnp.concatenate([o, t], axis=a % t.ndim)
@@ -207,7 +206,7 @@ class NnxChunked(nnx.Module):
         names = _arg_names(call, len(args) + 1)[1:]
         leaves, treedef = jax.tree_util.tree_flatten(args)
         axes = _leaf_axes(args, o["in_axes"], names)
-        plan, axes = _plan(_named_leaves(args, names), leaves, axes, o["chunks"])
+        layout, axes = _layout(_named_leaves(args, names), leaves, axes, o["chunks"])
         graphdef, params, rest = nnx.split(self.module, nnx.Param, ...)
 
         def body(state: Any, chunk_leaves: list[Any]) -> tuple[Any, Any]:
@@ -216,7 +215,7 @@ class NnxChunked(nnx.Module):
             return nnx.split(m, nnx.Param, ...)[2], out
 
         rest, out = _run(
-            body, rest, leaves, axes, plan,
+            body, rest, leaves, axes, layout,
             out_axes=o["out_axes"], out_names=type(self.module).__name__,
             remat=o["remat"], policy=o["policy"], prevent_cse=o["prevent_cse"],
             prefetch=o["prefetch"], unroll=1,

@@ -1,0 +1,149 @@
+"""Liveness: which values XLA gives a buffer, how long each lives, the predicted peak.
+
+Part of the second box of the data flow (``Program -> Analysis``): the memory timeline and
+predicted peak of :class:`~jaxmem.analysis.Analysis`, and the cost model's and the
+offload estimate's view of what is stored. It models XLA's fusion coarsely: an elementwise
+or layout-only value whose every reader is another elementwise/layout node in the same
+phase is assumed fused away (never materialised).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import jax
+import numpy as np
+
+from jaxmem import _jax
+from jaxmem.primitives import CHEAP, Kind
+from jaxmem.program import Node, Program, from_jaxpr
+
+__all__ = ["last_uses", "liveness", "materialised"]
+
+_REDUCTIONS = ("reduce_", "argm", "cum", "reduce_window", "select_and")
+
+
+def _is_reduction(name: str) -> bool:
+    return name.startswith(_REDUCTIONS)
+
+
+# XLA's fusion duplicates cheap elementwise producers into every consumer, backward ones
+# included, but refuses to duplicate "expensive" ones (InstructionFusion::IsExpensive).
+_EXPENSIVE = frozenset({
+    "div", "rem", "sqrt", "rsqrt", "cbrt", "exp", "exp2", "expm1", "log", "log1p", "pow",
+    "tanh", "logistic", "erf", "erfc", "erf_inv", "atan2", "sin", "cos", "tan", "lgamma",
+    "digamma", "random_bits", "threefry2x32",
+})
+
+
+def materialised(program: Program) -> list[bool]:
+    """Per value: whether XLA is expected to give it a buffer of its own (fusion model).
+
+    Non-fusible outputs (matmuls, convolutions, units), reductions and program outputs get a
+    buffer. An elementwise or layout value read only by elementwise nodes is fused into its
+    readers. If a reader sits in another phase (a residual), XLA duplicates the producer there
+    when that needs no extra buffer (every operand is stored, or is itself duplicable) and it
+    is not expensive (a transcendental); otherwise the value is stored.
+    """
+    out_set = set(program.outputs)
+    users = program.users
+    values = program.values
+    mat = [False] * len(values)
+    dup = [False] * len(values)  # fused, and re-creatable from stored values alone
+    for v in values:
+        if v.producer is None or v.nbytes == 0:
+            dup[v.id] = v.producer is None
+            continue
+        node = program.nodes[v.producer]
+        rd = users.get(v.id, ())
+        if not rd:
+            mat[v.id] = v.id in out_set
+            continue
+        if v.id in out_set or node.kind not in CHEAP or _is_reduction(node.primitive):
+            mat[v.id] = True
+            continue
+        if node.primitive == "device_put" and any(
+                str(values[u].memory_space) != str(v.memory_space) for u in node.inputs):
+            mat[v.id] = True  # a copy to (or from) host memory is a buffer of its own
+            continue
+        avail = node.primitive not in _EXPENSIVE and all(mat[a] or dup[a] for a in node.inputs)
+        for i in rd:
+            u = program.nodes[i]
+            if (u.kind not in CHEAP or _is_reduction(u.primitive)
+                    or (u.phase != node.phase and not avail)):
+                mat[v.id] = True
+                break
+        dup[v.id] = not mat[v.id] and avail
+    return mat
+
+
+def last_uses(program: Program, mat: Sequence[bool]) -> dict[int, int]:
+    """Value id -> index of the last node that needs it alive (fused readers included)."""
+    last: dict[int, int] = {}
+    for n in program.nodes:
+        for v in n.inputs:
+            last[v] = n.index
+    end = len(program.nodes)
+    for v in program.outputs:
+        last[v] = end
+    # A fused value is recomputed inside each reader, so its own inputs must live as long.
+    for v in reversed(program.values):
+        if v.producer is None or mat[v.id] or v.id not in last:
+            continue
+        for u in program.nodes[v.producer].inputs:
+            last[u] = max(last.get(u, -1), last[v.id])
+    return last
+
+
+def _unit_transient(node: Node) -> int:
+    """Working set inside a control-flow unit beyond its inputs and outputs."""
+    best = 0
+    for j in _jax.sub_jaxprs(node.eqn):
+        closed = jax.extend.core.ClosedJaxpr(j, [None] * len(j.constvars))
+        try:
+            sub = from_jaxpr(closed)
+        except Exception:  # noqa: BLE001 - an estimate; never fail the analysis on it
+            continue
+        _, live, _ = liveness(sub, count_inputs=False)
+        best = max(best, max(live, default=0))
+    return best
+
+
+def liveness(program: Program, *, count_inputs: bool = True,
+             donated: Iterable[int] = (), device_only: bool = False
+             ) -> tuple[int, tuple[int, ...], int]:
+    """Predicted ``(peak, live bytes after each node, output bytes)``.
+
+    The peak is comparable with XLA's ``argument + output + temp - alias``: inputs are live
+    throughout, outputs from their producer to the end, intermediates from producer to last
+    reader. Outputs that alias a ``donated`` input index are not counted twice.
+    ``device_only``: values placed in host memory keep their lifetimes but are not counted.
+    """
+    nodes, values = program.nodes, program.values
+    mat = materialised(program)
+    end = len(nodes)
+    last = last_uses(program, mat)
+    arg_bytes = sum(values[i].nbytes for i in program.inputs) if count_inputs else 0
+    # Outputs that are inputs or constants get an output buffer of their own (a copy).
+    out_bytes = sum(values[v].nbytes for v in dict.fromkeys(program.outputs))
+    passthrough = sum(values[v].nbytes for v in dict.fromkeys(program.outputs)
+                      if values[v].producer is None)
+    donated_in = [values[program.inputs[i]] for i in donated]
+    alias = min(sum(v.nbytes for v in donated_in), out_bytes)
+    delta = np.zeros(end + 2, dtype=np.int64)
+    for v in values:
+        if v.producer is None or not mat[v.id]:
+            continue
+        if device_only and "Host" in str(v.memory_space):
+            continue
+        delta[v.producer] += v.nbytes
+        delta[last.get(v.id, v.producer) + 1] -= v.nbytes
+    live = np.cumsum(delta)[:end]
+    transient = np.zeros(end, dtype=np.int64)
+    for n in nodes:
+        if n.kind in (Kind.CONTROL, Kind.HEAVY) and _jax.sub_jaxprs(n.eqn):
+            transient[n.index] = _unit_transient(n)
+    base = arg_bytes + passthrough - alias
+    series = live + transient + base
+    peak = int(series.max()) if end else base
+    return peak, tuple(int(x) for x in series), out_bytes
