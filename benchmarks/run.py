@@ -134,6 +134,8 @@ class Result:
     loss: float | None = None
     timed: str = "compiled"
     error: str | None = None
+    target: str = "cpu"
+    flops_source: str = "xla"
 
 
 def _copy(tree: Any) -> Any:
@@ -141,21 +143,33 @@ def _copy(tree: Any) -> Any:
     return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
 
 
-def measure_variant(w: zoo.Workload, variant: str, runs: int = 3, warmup: int = 1) -> Result:
+def measure_variant(w: zoo.Workload, variant: str, runs: int = 3, warmup: int = 1,
+                    target: str = "cpu") -> Result:
     """Compile ``w`` under ``variant``; read peak and FLOPs; time ``runs`` steps after warm-up.
 
     The timed executable is the measured one (``jaxmem.measure.compile``). Errors are caught
     and recorded in :attr:`Result.error` so that one failing variant does not stop the run.
+    ``target``: a :mod:`jaxmem.targets` name; other than ``"cpu"`` the step is compiled for
+    that device without it (compile only: no timing; FLOPs are jaxmem's count where the
+    compiler gives none, for every variant alike).
     """
     r = Result(w.name, variant, w.size, w.batch_size, w.n_blocks)
     try:
+        args = w.args if target == "cpu" else jaxmem.targets.place(w.args, target)
         t0 = time.perf_counter()
         jitted = VARIANTS[variant](w)
-        compiled = measure.compile(jitted.lower(*w.args))
+        compiled = measure.compile(jitted.lower(*args))
         r.compile_s = time.perf_counter() - t0
-        f = measure.figures(compiled)
-        r.peak, r.flops = f.peak, f.flops
+        if hasattr(jitted, "plan"):  # jaxmem.optimize: its plan holds the figures it chose
+            f = jitted.plan(*args).compiled
+        else:
+            f = measure.compiled_figures(compiled, jitted, args,
+                                         platform=jaxmem.targets.platform_of(args) or "cpu")
+        r.peak, r.flops, r.flops_source = f.peak, f.flops, f.flops_source
         r.argument, r.output, r.temp, r.alias = f.argument, f.output, f.temp, f.alias
+        r.target = target
+        if target != "cpu":
+            return r
         run, state, batch, times = compiled, _copy(w.state), w.batch, []
         for i in range(max(warmup, 0) + runs):
             t0 = time.perf_counter()
@@ -303,6 +317,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"default {DEFAULT_OUT}/")
     p.add_argument("--list", action="store_true", help="list models and variants, then exit")
+    p.add_argument("--target", default="cpu",
+                   help="compile for this device (jaxmem.targets: h100, h200, a100, v5e, ...); "
+                   "other than cpu, compile only: peaks and FLOPs, no step times")
     args = p.parse_args(argv)
     args.size = args.size or ("test" if args.quick else "bench")
     args.runs = args.runs if args.runs is not None else (1 if args.quick else 3)
@@ -335,7 +352,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         runs=args.runs,
         warmup=args.warmup,
         donate_argnums=list(DONATE_ARGNUMS),
-        compiler_options=measure.compiler_options(),
+        compiler_options=measure.compiler_options(
+            "cpu" if args.target == "cpu" else jaxmem.targets.get(args.target).platform),
+        target=str(jaxmem.targets.get(args.target)),
         variants={v: DESCRIPTIONS[v] for v in args.variants},
         models={m: zoo.describe(m) for m in args.models},
     )
@@ -347,7 +366,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         mine = []
         for variant in args.variants:
             bar.set_description(f"{name}: {variant}")
-            mine.append(measure_variant(w, variant, runs=args.runs, warmup=args.warmup))
+            mine.append(measure_variant(w, variant, runs=args.runs, warmup=args.warmup,
+                                        target=args.target))
             bar.update()
         results.extend(mine)
         title = (
@@ -362,6 +382,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.warmup} warm-up on {meta['platform']} ({meta['cpu_count']} CPUs). FLOPs: XLA "
         f"counts a scan body once. {CALLABLE_MARK}: timed through the variant's own callable "
         "(its Compiled does not take the step's pytrees)."
+        + ("" if args.target == "cpu" else f" Compiled for {meta['target']} without the "
+           "device (jaxmem.targets): compile-only figures, no step times; FLOPs are jaxmem's "
+           "count of each variant's program (XLA:GPU reports none without the device), which "
+           "counts a scan body once per iteration.")
     )
     write_results(args.out, meta, results)
     print(f"wrote {args.out / 'results.json'} and {args.out / 'results.csv'}")

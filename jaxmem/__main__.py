@@ -8,14 +8,19 @@ Subcommands:
       python -m jaxmem managed-memory --oversubscription 1.5 -- python train.py
       eval "$(python -m jaxmem managed-memory --oversubscription 1.5 --print-env)"
 
-- ``analyze TARGET``: print :func:`jaxmem.analyze` of a train step (which forward values the
+- ``analyze STEP``: print :func:`jaxmem.analyze` of a train step (which forward values the
   backward keeps, by layer, and the predicted peak).
-- ``plan TARGET [--budget B] [--offload]``: print the :class:`jaxmem.Plan` of
+- ``plan STEP [--budget B] [--offload] [--target T]``: print the :class:`jaxmem.Plan` of
   ``jaxmem.optimize(step)`` with XLA's compiled figures, plain jit against jaxmem.
-- ``bench TARGET [--runs N]``: plain ``jax.jit`` against ``jaxmem.optimize``: compiled peak,
-  FLOPs and (with ``--runs``) CPU/accelerator step time.
+- ``bench STEP [--runs N] [--target T]``: plain ``jax.jit`` against ``jaxmem.optimize``:
+  compiled peak, FLOPs and (with ``--runs``) CPU/accelerator step time.
 
-``TARGET`` names a train step and its arguments::
+``--target`` compiles for a device this machine need not have (:mod:`jaxmem.targets`:
+``h100``, ``h200``, ``a100``, ``v5e``, ``v5p``, ``v4``, ``v6e``, a ``.pbtxt`` GPU config):
+"what is my peak, my plan, on an H100?" from a laptop. Zoo models are then built abstractly
+(nothing initialised), so realistic sizes (``zoo:llama_scan:1b``) work too.
+
+``STEP`` names a train step and its arguments::
 
       zoo:<name>[:size]          a model of the repository's zoo, benchmarks/zoo (size:
                                  test, the default, or bench); run from a checkout
@@ -27,6 +32,7 @@ Subcommands:
 
       python -m jaxmem analyze zoo:resnet
       python -m jaxmem plan zoo:transformer:bench --budget 0.6
+      python -m jaxmem plan zoo:transformer:bench --target h100
       python -m jaxmem bench examples.resnet_linen:make_step --runs 3
 
 Each subcommand is registered by one small ``_register_<name>(subparsers)`` function
@@ -163,8 +169,12 @@ def _step_and_args(obj: Any, where: str) -> tuple[Callable[..., Any], tuple[Any,
     )
 
 
-def load_target(spec: str, batch: int | None = None) -> tuple[Callable[..., Any], tuple, str]:
-    """Resolve a TARGET string to ``(step, args, label)``.
+def load_target(spec: str, batch: int | None = None, *, abstract: bool = False
+                ) -> tuple[Callable[..., Any], tuple, str]:
+    """Resolve a STEP string to ``(step, args, label)``.
+
+    ``abstract``: build zoo models with ``jax.ShapeDtypeStruct`` state (for compile-only
+    targets; realistic sizes then cost no memory).
 
     ``zoo:<name>[:size]`` builds ``benchmarks.zoo.make`` (``batch`` overrides its batch):
     the zoo ships with the repository's ``benchmarks/``, not with the installed library, so
@@ -183,9 +193,11 @@ def load_target(spec: str, batch: int | None = None) -> tuple[Callable[..., Any]
         name, size = parts[1], parts[2] if len(parts) == 3 else "test"
         if name not in zoo.names():
             raise TargetError(f"{spec!r}: unknown zoo model {name!r}; choose from {zoo.names()}")
-        if size not in zoo.SIZES:
-            raise TargetError(f"{spec!r}: size must be one of {zoo.SIZES}, got {size!r}")
-        w = zoo.make(name, size=size, batch=batch)
+        try:
+            zoo.config(name, size)
+        except ValueError as e:
+            raise TargetError(f"{spec!r}: {e}") from e
+        w = zoo.make(name, size=size, batch=batch, abstract=abstract)
         return w.step, tuple(w.args), f"zoo {name} ({size}, batch {w.batch_size})"
     mod_name, sep, attr = spec.rpartition(":")
     if not sep or not mod_name or not attr:
@@ -237,10 +249,15 @@ def _zoo(spec: str) -> Any:
         raise
 
 
-def _add_target(p: argparse.ArgumentParser) -> None:
-    p.add_argument("target", metavar="TARGET", help=TARGET_HELP)
-    p.add_argument("--batch", type=int, help="batch size (zoo targets; passed as batch= to "
+def _add_target(p: argparse.ArgumentParser, device: bool = True) -> None:
+    p.add_argument("step", metavar="STEP", help=TARGET_HELP)
+    p.add_argument("--batch", type=int, help="batch size (zoo models; passed as batch= to "
                    "make_step otherwise)")
+    if device:
+        p.add_argument("--target", metavar="DEVICE",
+                       help="compile for this device instead of where the arrays live: h100, "
+                       "h200, a100, v5e, v5p, v4, v6e or a GpuTargetConfig .pbtxt "
+                       "(jaxmem.targets; compile only, nothing runs)")
 
 
 def _add_budget(p: argparse.ArgumentParser) -> None:
@@ -264,9 +281,20 @@ def _budget_value(text: str | None) -> Any:
 
 
 def _load(args: argparse.Namespace, command: str) -> tuple[Callable[..., Any], tuple, str] | None:
+    device = getattr(args, "target", None)
     try:
-        return load_target(args.target, args.batch)
+        step, step_args, label = load_target(args.step, args.batch, abstract=bool(device))
+        if device:
+            import jaxmem
+
+            target = jaxmem.targets.require(device)
+            step_args = jaxmem.targets.place(step_args, target)
+            label += f", compiled for {target}"
+        return step, step_args, label
     except TargetError as e:
+        print(f"jaxmem {command}: {e}", file=sys.stderr)
+        return None
+    except RuntimeError as e:  # jaxmem.targets.TargetError: unknown device, no plugin
         print(f"jaxmem {command}: {e}", file=sys.stderr)
         return None
 
@@ -415,6 +443,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     base, mine = plan.baseline, plan.compiled
     rows = [("plain jit", base), ("jaxmem", mine)]
     ms: dict[str, str] = {}
+    if args.runs > 0 and getattr(args, "target", None):
+        print("jaxmem bench: --runs times steps on this machine; a --target is compile "
+              "only (drop one of them)", file=sys.stderr)
+        return 2
     if args.runs > 0:
         import jax
 

@@ -126,12 +126,18 @@ def host_space() -> Any:
     return jax.memory.Space.Host
 
 
-def memory_kinds() -> frozenset[str]:
-    """Memory kinds of the default device (``device``, ``pinned_host``, ...)."""
+def memory_kinds(device: Any = None) -> frozenset[str]:
+    """Memory kinds of ``device`` (default: the default device): ``device``,
+    ``pinned_host``, ... A GPU's compile-only topology device lists none, but XLA:GPU
+    compiles host placement for it as for a real GPU: ``device`` and ``pinned_host``."""
+    device = device if device is not None else jax.devices()[0]
     try:
-        return frozenset(m.kind for m in jax.devices()[0].addressable_memories())
+        kinds = frozenset(m.kind for m in device.addressable_memories())
     except Exception:  # noqa: BLE001 - a backend without the memories API
-        return frozenset()
+        kinds = frozenset()
+    if not kinds and str(getattr(device, "platform", "")).lower() in ("gpu", "cuda"):
+        kinds = frozenset({"device", "pinned_host"})
+    return kinds
 
 
 def default_backend_initialized() -> bool:
@@ -256,6 +262,29 @@ def lowered_platform(lowered: Any) -> str | None:
     if name:
         return "cuda" if name == "gpu" else str(name)
     return None
+
+
+def has_visible_tpu() -> bool:
+    """True if a TPU chip is visible on the PCI bus (JAX's own check; starts nothing)."""
+    try:
+        from jax._src import hardware_utils
+
+        return hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
+    except Exception:  # noqa: BLE001 - depends on the jax version; assume one may be there
+        return True
+
+
+def only_known_plugins() -> bool:
+    """True if the only JAX PJRT plugins installed are the CUDA ones (``jax_plugins.xla_cuda*``)
+    and libtpu, whose devices :func:`has_visible_nvidia_gpu` / :func:`has_visible_tpu` see."""
+    import pkgutil
+
+    try:
+        import jax_plugins
+    except ImportError:
+        return True
+    names = {m.name for m in pkgutil.iter_modules(jax_plugins.__path__)}
+    return names <= {"xla_cuda12", "xla_cuda13"}
 
 
 def libtpu_installed() -> bool:

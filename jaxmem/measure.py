@@ -49,8 +49,13 @@ class Figures:
     Attributes:
       argument, output, temp, alias: the ``memory_analysis()`` fields.
       host_temp: temporaries XLA placed in host memory (offload on GPU/TPU).
-      flops: ``cost_analysis()['flops']``. A scan/while body is counted once by XLA.
+      flops: ``cost_analysis()['flops']``; a scan/while body is counted once by XLA. Where
+        the compiler gives no count (XLA:GPU compiling for a target without the device),
+        jaxmem's own count of the program (:func:`count_flops`, loops times their trip
+        count), and ``flops_source`` says so.
       bytes_accessed: ``cost_analysis()['bytes accessed']``.
+      flops_source: ``"xla"`` or ``"jaxmem"`` (see ``flops``).
+      platform: what it was compiled for (``cpu``, ``cuda``, ``tpu``), when known.
     """
 
     argument: int
@@ -60,6 +65,8 @@ class Figures:
     host_temp: int = 0
     flops: float = 0.0
     bytes_accessed: float = 0.0
+    flops_source: str = "xla"
+    platform: str = ""
 
     @property
     def peak(self) -> int:
@@ -71,16 +78,24 @@ class Figures:
             f"peak {fmt_bytes(self.peak)} (arg {fmt_bytes(self.argument)}, out "
             f"{fmt_bytes(self.output)}, temp {fmt_bytes(self.temp)}, alias "
             f"{fmt_bytes(self.alias)}), {self.flops / 1e9:.3f} GFLOP"
+            + (" (jaxmem count)" if self.flops_source == "jaxmem" else "")
+            + (f" [{self.platform}]" if self.platform and self.platform != "cpu" else "")
         )
 
 
-def figures(compiled: Any) -> Figures:
-    """Read :class:`Figures` from a ``jax.stages.Compiled``."""
+def figures(compiled: Any, *, flops: float | None = None, platform: str = "") -> Figures:
+    """Read :class:`Figures` from a ``jax.stages.Compiled``.
+
+    ``flops``: the count to report when the compiler gives none (see :func:`count_flops`).
+    """
     m = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     if isinstance(cost, list | tuple):  # older jax returned one dict per device
         cost = cost[0] if cost else {}
     cost = cost or {}
+    if "flops" not in cost and flops is not None:
+        return dataclasses.replace(figures(compiled, platform=platform), flops=float(flops),
+                                   flops_source="jaxmem")
     return Figures(
         argument=int(m.argument_size_in_bytes),
         output=int(m.output_size_in_bytes),
@@ -89,7 +104,24 @@ def figures(compiled: Any) -> Figures:
         host_temp=int(getattr(m, "host_temp_size_in_bytes", 0)),
         flops=float(cost.get("flops", 0.0)),
         bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+        platform=platform,
     )
+
+
+def count_flops(fn: Any, *args: Any, **kwargs: Any) -> float:
+    """jaxmem's own FLOP count of ``fn(*args)``: the one its planner uses
+    (:mod:`jaxmem.primitives` per equation, loop bodies times their trip count, recompute
+    inside ``jax.checkpoint`` included). For compilers that report none (XLA:GPU compiling
+    for a target without the device); it counts a scan body per iteration, XLA once.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> count_flops(lambda x: x @ x, jnp.ones((4, 4)))
+      128.0
+    """
+    from jaxmem.program import from_jaxpr
+
+    return float(from_jaxpr(jax.make_jaxpr(fn)(*args, **kwargs)).flops)
 
 
 def measure(fn: Any, *args: Any, **kwargs: Any) -> Figures:
@@ -103,8 +135,23 @@ def measure(fn: Any, *args: Any, **kwargs: Any) -> Figures:
     """
     lower = getattr(fn, "lower", None)
     if lower is None:
-        lower = jax.jit(fn).lower
-    return figures(compile(lower(*args, **kwargs)))
+        fn = jax.jit(fn)
+        lower = fn.lower
+    lowered = lower(*args, **kwargs)
+    return compiled_figures(compile(lowered), fn, args, kwargs, _platform_of(lowered))
+
+
+def compiled_figures(compiled: Any, fn: Any, args: Any, kwargs: Any | None = None,
+                     platform: str = "") -> Figures:
+    """:func:`figures` of ``compiled`` (``fn`` compiled for ``args``), with jaxmem's FLOP
+    count of ``fn`` where the compiler reports none."""
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list | tuple):
+        cost = cost[0] if cost else {}
+    if cost and "flops" in cost:
+        return figures(compiled, platform=platform)
+    return figures(compiled, flops=count_flops(fn, *args, **(kwargs or {})),
+                   platform=platform)
 
 
 _UNITS = [("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)]

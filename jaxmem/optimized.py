@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxmem import _jax, measure, strategies
+from jaxmem import _jax, measure, strategies, targets
 from jaxmem.analysis import Analysis, from_program
 from jaxmem.budget import Pareto, plan_with_budget
 from jaxmem.budget.pareto import sweep
@@ -130,6 +130,14 @@ class Optimized:
     # -- public -----------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         entry, flat, out_tree = self._prepare(args, kwargs)
+        abstract = [x for x in flat if isinstance(x, jax.ShapeDtypeStruct)]
+        if abstract:
+            where = targets.platform_of(abstract) or "no device"
+            raise TypeError(
+                f"jaxmem.optimize({getattr(self.fn, '__name__', 'fn')}) was called with "
+                f"{len(abstract)} abstract argument(s) (jax.ShapeDtypeStruct, placed on "
+                f"{where}): there is nothing to run. For a compile-only target use "
+                ".lower(*args).compile() or .plan(*args); to run, pass arrays.")
         if entry.compiled is None:
             entry.compiled = measure.compile(entry.jitted.lower(*flat))
         try:
@@ -175,7 +183,8 @@ class Optimized:
             if entry.compiled is None:
                 entry.compiled = measure.compile(entry.jitted.lower(*flat))
             baseline = self._baseline(entry, flat)
-            entry.plan = entry.plan.with_figures(measure.figures(entry.compiled), baseline)
+            entry.plan = entry.plan.with_figures(_read(entry.compiled, entry.jitted, flat),
+                                                 baseline)
         return entry.plan
 
     def analysis(self, *args: Any, **kwargs: Any) -> Analysis:
@@ -229,7 +238,8 @@ class Optimized:
                 for x in leaves:
                     k = (tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", "")))
                     need[k] = need.get(k, 0) + 1
-                arrays = [x for x in leaves if isinstance(x, jax.Array)]
+                # arrays, or their abstract stand-ins placed on a (compile-only) target
+                arrays = [x for x in leaves if isinstance(x, jax.Array | jax.ShapeDtypeStruct)]
                 if arrays and len(arrays) == len(leaves) and all(
                         out_avals.get(k, 0) >= c for k, c in need.items()):
                     chosen.append(i)
@@ -243,7 +253,9 @@ class Optimized:
         fn = self._bound(args, static, static_kw)
         program = self._trace(fn, dyn_args, kwargs)
         analysis = from_program(program)
-        self._check_offload(analysis)
+        flat = jax.tree_util.tree_leaves((dyn_args, kwargs))
+        platform = targets.platform_of(flat) or jax.default_backend()
+        self._check_offload(analysis, flat, platform)
         donated = self._donated(dyn_args, analysis)
         donate_flat = _flat_positions(dyn_args, kwargs, donated)
 
@@ -251,7 +263,6 @@ class Optimized:
             return jax.jit(apply(program, p), donate_argnums=donate_flat, **self.jit_kwargs)
 
         plain = self._plain(fn, jax.tree_util.tree_structure((dyn_args, kwargs)), donate_flat)
-        flat = jax.tree_util.tree_leaves((dyn_args, kwargs))
         plan = dataclasses.replace(self._first_plan(analysis), donated=donated)
         planning = program.has_backward and self.strategy != "none"
         if planning and self.budget is not None:
@@ -259,7 +270,7 @@ class Optimized:
                 analysis, self.budget, auto=plan,
                 compile_plan=lambda p: _figures(jit_plan(p), flat),
                 compile_plain=lambda: _figures(plain, flat),
-                device_peak=lambda p, fig: device_peak(program, p, fig),
+                device_peak=lambda p, fig: device_peak(program, p, fig, platform),
                 offload=self.offload)
             plan = dataclasses.replace(plan, donated=donated)
         elif planning and (self.offload is True or offload_tagged(analysis)):
@@ -303,14 +314,14 @@ class Optimized:
         return strategies.plan_auto(analysis,
                                     max_recompute_fraction=self.max_recompute_fraction)
 
-    def _check_offload(self, analysis: Analysis) -> None:
+    def _check_offload(self, analysis: Analysis, flat: Sequence[Any], platform: str) -> None:
         """Offload needs a host memory kind; tags the rewrite cannot reach are reported."""
         far = offload_tags_out_of_reach(analysis)
         wanted = self.offload in (True, "auto") or offload_tagged(analysis)
-        if wanted and "pinned_host" not in (kinds := _jax.memory_kinds()):
+        if wanted and "pinned_host" not in (kinds := _jax.memory_kinds(_device_of(flat))):
             raise ValueError(
                 f"jaxmem.optimize: offload needs a 'pinned_host' memory kind, but the "
-                f"{jax.default_backend()} device has {sorted(kinds) or 'none'}; pass "
+                f"{platform} device has {sorted(kinds) or 'none'}; pass "
                 "offload=False (and remove jaxmem.offload_name tags), or run on a backend "
                 "with host memory (GPU, TPU, CPU)")
         for tag, unit, layer in far:
@@ -323,30 +334,37 @@ class Optimized:
     def _verified(self, plan: Plan, analysis: Analysis, jit_plan: Callable[[Plan], Any],
                   plain: Any, dyn_args: tuple[Any, ...], kwargs: dict[str, Any]
                   ) -> tuple[Plan, Any]:
-        """Compile a few variants of the MEDL plan and the plain step; keep the best, and
-        return its executable with it (the first call runs it instead of compiling again).
+        """Compile the auto strategy's candidates and the plain step on the arguments'
+        target; keep the lowest peak, and return its executable with it (the first call
+        runs it instead of compiling again).
 
-        The variants differ in how much recompute one residual may cost against its layer
-        (strict: 5% of the layer's heavy FLOPs; lenient: 50%): a plan that drops more is not
-        always smaller once XLA has fused it. If no variant beats the plain step's compiled
-        peak, the plain step is kept, with a warning and a note in the plan.
+        The candidates (:func:`jaxmem.strategies.auto_candidates`) drop the same kind of
+        values but group their re-creation differently (per layer, per block, per block
+        with every cheap value): which one XLA keeps least of depends on the compiler, so
+        the compiler the step is for decides. If none beats the plain step's compiled peak,
+        the plain step is kept, with a warning and a note in the plan.
         """
         flat = jax.tree_util.tree_leaves((dyn_args, kwargs))
         base_exe = measure.compile(plain.lower(*flat))
-        base = measure.figures(base_exe)
-        variants = [plan]
-        strict = strategies.plan_auto(analysis,
-                                      max_recompute_fraction=self.max_recompute_fraction,
-                                      max_layer_fraction=0.05)
-        if strict.recompute and strict.recompute != plan.recompute:
-            variants.append(dataclasses.replace(strict, donated=plan.donated))
+        base = _read(base_exe, plain, flat)
+        variants = [dataclasses.replace(p, donated=plan.donated) for p in
+                    strategies.auto_candidates(
+                        analysis, max_recompute_fraction=self.max_recompute_fraction)]
+        variants = variants or [plan]
         best, best_fig, best_exe = None, None, None
         for p in variants:
-            exe = measure.compile(jit_plan(p).lower(*flat))
-            fig = measure.figures(exe)
+            jitted = jit_plan(p)
+            exe = measure.compile(jitted.lower(*flat))
+            fig = _read(exe, jitted, flat)
             if best_fig is None or (fig.peak, fig.flops) < (best_fig.peak, best_fig.flops):
                 best, best_fig, best_exe = p, fig, exe
         if best_fig.peak < base.peak:
+            if best.strategy != "auto":
+                best = dataclasses.replace(best, strategy=f"auto: {best.strategy}")
+            tried = ", ".join(p.strategy for p in variants)
+            note = (f"compiled {len(variants)} candidate plan(s) for {best_fig.platform or 'cpu'}"
+                    f" ({tried}); kept the lowest peak")
+            best = dataclasses.replace(best, notes=best.notes + (note,))
             return best.with_figures(best_fig, base), best_exe
         none = dataclasses.replace(strategies.plan_none(analysis), donated=plan.donated)
         note = (f"the {plan.strategy!r} plan compiled to a peak of {fmt_bytes(best_fig.peak)}, "
@@ -368,18 +386,34 @@ class Optimized:
 
 
 def _figures(jitted: Any, flat: Sequence[Any]) -> Figures:
-    """Compiled figures of ``jitted`` on the flat arguments, compiled the jaxmem way."""
-    return measure.figures(measure.compile(jitted.lower(*flat)))
+    """Compiled figures of ``jitted`` on the flat arguments, compiled the jaxmem way, for
+    the arguments' target (jaxmem's FLOP count where that compiler reports none)."""
+    return _read(measure.compile(jitted.lower(*flat)), jitted, flat)
 
 
-def device_peak(program: Program, plan: Plan, compiled: Figures) -> tuple[int, str | None]:
+def _read(compiled: Any, jitted: Any, flat: Sequence[Any]) -> Figures:
+    platform = targets.platform_of(flat) or jax.default_backend()
+    return measure.compiled_figures(compiled, jitted, flat, platform=platform)
+
+
+def _device_of(flat: Sequence[Any]) -> Any:
+    """The first device an argument is placed on (None: the default device)."""
+    for x in flat:
+        s = getattr(x, "sharding", None)
+        if s is not None and getattr(s, "device_set", None):
+            return next(iter(s.device_set))
+    return None
+
+
+def device_peak(program: Program, plan: Plan, compiled: Figures,
+                platform: str | None = None) -> tuple[int, str | None]:
     """The device peak to check a budget against, and a note when it is an estimate.
 
     XLA's compiled peak, except for a plan that offloads compiled on CPU: XLA:CPU strips
     host placement, so its peak still counts the offloaded values on the device; the
     estimate subtracts what :func:`host_correction` says is in host memory at the peak.
     """
-    if not plan.offload or jax.default_backend() not in ("cpu",):
+    if not plan.offload or (platform or jax.default_backend()) != "cpu":
         return compiled.peak, None
     try:
         corr = host_correction(program, plan, donated=compiled.alias > 0)

@@ -111,8 +111,11 @@ class Plan:
             if self.saved_fraction is not None and self.baseline is not None:
                 extra = (self.compiled.flops / self.baseline.flops - 1
                          if self.baseline.flops else 0.0)
+                who = ("jaxmem's count" if "jaxmem" in (self.compiled.flops_source,
+                                                          self.baseline.flops_source)
+                       else "XLA's count")
                 lines.append(f"  saved {100 * self.saved_fraction:.1f}% of the peak for "
-                             f"{100 * extra:+.2f}% FLOPs (XLA's count)")
+                             f"{100 * extra:+.2f}% FLOPs ({who})")
         if self.donated:
             lines.append(f"  donated arguments: {self.donated}")
         lines += [f"  note: {x}" for x in self.notes]

@@ -139,6 +139,50 @@ def plan_auto(analysis: Analysis, *, max_recompute_fraction: float = 0.05,
                 baseline_flops=analysis.program.flops, notes=notes)
 
 
+def auto_candidates(analysis: Analysis, *, max_recompute_fraction: float = 0.05
+                    ) -> list[Plan]:
+    """The plans the ``"auto"`` strategy compiles and picks from, most per-layer first.
+
+    MEDL's rule has one answer for *what* to drop but the compilers disagree on *how* the
+    re-creation should be grouped: XLA:CPU keeps least when each layer re-creates what it
+    reads (:func:`plan_auto`), XLA:GPU on decoders when a whole block is re-created at once
+    behind one barrier, as ``jax.checkpoint`` around a block does (it then cannot hoist
+    layout copies of the kept values into the forward pass). So the candidates are:
+
+    1. :func:`plan_auto` (per-layer regions), and its strict variant (a residual may cost 5%
+       of its layer's heavy FLOPs, not 50%);
+    2. the same drop set re-created per block, at the shallowest block depth
+       (:func:`block_depths`);
+    3. per-block ``dots_saveable`` as a plan (:func:`plan_blocks` with ``keep_heavy``):
+       every cheap value re-created with its block, dropout masks from the key included.
+
+    Candidates whose predicted recompute exceeds ``max_recompute_fraction`` of the step's
+    FLOPs, or that drop nothing, are left out; duplicates too. The caller compiles them on
+    the target and keeps the lowest peak (``jaxmem.optimize``'s ``verify``).
+    """
+    auto = plan_auto(analysis, max_recompute_fraction=max_recompute_fraction)
+    strict = plan_auto(analysis, max_recompute_fraction=max_recompute_fraction,
+                       max_layer_fraction=0.05)
+    out = [auto, strict]
+    depths = block_depths(analysis.program)
+    if depths:
+        d = depths[0]
+        if auto.recompute:
+            out.append(dataclasses.replace(
+                auto, strategy=f"auto(regions=blocks at depth {d})", region_depth=d,
+                recompute_flops=recompute_cost(analysis, auto.recompute, d)))
+        out.append(plan_blocks(analysis, d, keep_heavy=True))
+    seen: set[tuple] = set()
+    keep = []
+    for p in out:
+        key = (p.recompute, p.region_depth, p.keep)
+        if not p.recompute or key in seen or p.predicted_overhead > max_recompute_fraction:
+            continue
+        seen.add(key)
+        keep.append(p)
+    return keep
+
+
 def _medl_candidates(analysis: Analysis, min_bytes: int
                      ) -> tuple[dict[int, Residual], dict[int, str]]:
     """The residuals MEDL's rule recomputes, and why each other one is kept."""
@@ -283,13 +327,20 @@ def block_depths(program: Program) -> tuple[int, ...]:
     return tuple(out)
 
 
-def plan_blocks(analysis: Analysis, depth: int, offload: Iterable[int] = ()) -> Plan:
+def plan_blocks(analysis: Analysis, depth: int, offload: Iterable[int] = (), *,
+                keep_heavy: bool = False) -> Plan:
     """``jax.checkpoint(policy=nothing_saveable)`` around every block, as a plan.
 
     Keeps only the values that cross block boundaries at ``depth`` (and arguments), and
     re-creates everything else, matmul and convolution outputs included, once per block in
     the backward pass (one backward region per block). The low-memory end of what the
     budget planner can reach without segments: about one extra forward pass of FLOPs.
+
+    ``keep_heavy``: keep the outputs of heavy layers too (matmul, convolution): per-block
+    ``jax.checkpoint(policy=dots_saveable)`` as a plan, MEDL's rule applied a block at a
+    time (every cheap value re-created with its block, dropout masks from the key
+    included). A few percent of FLOPs; the auto plan's candidate on compilers that keep
+    per-layer recompute worse than per-block (XLA:GPU on decoders).
 
     ``offload``: boundary values (:func:`block_offload_candidates`) to park in host memory
     instead of keeping them on the device (MaxText's "offload the decoder layer inputs,
@@ -299,6 +350,8 @@ def plan_blocks(analysis: Analysis, depth: int, offload: Iterable[int] = ()) -> 
     boundary = block_boundaries(prog, depth)
     residual_ids = {r.value for r in analysis.residuals}
     drop = set(chains.stored_values(prog, residual_ids).droppable - boundary)
+    if keep_heavy:  # heavy outputs stay anchors: chains start from them
+        drop = {v for v in drop if prog.nodes[prog.values[v].producer].kind != Kind.HEAVY}
     off = frozenset(offload)
     bad = off - block_offload_candidates(analysis, depth) if off else frozenset()
     if bad:
@@ -326,8 +379,9 @@ def plan_blocks(analysis: Analysis, depth: int, offload: Iterable[int] = ()) -> 
                 for v in sorted(off - residual_ids)]
     dropped = frozenset(c.residual.value for c in choices if c.decision is Decision.RECOMPUTE)
     keep = frozenset(boundary - drop - off)
+    kind = ", heavy kept" if keep_heavy else ""
     return Plan(choices=tuple(choices),
-                strategy=f"blocks(depth={depth}" + (", offload)" if off else ")"),
+                strategy=f"blocks(depth={depth}{kind}" + (", offload)" if off else ")"),
                 recompute_flops=recompute_cost(analysis, dropped, depth, keep | off),
                 baseline_flops=prog.flops, region_depth=depth, keep=keep)
 

@@ -84,16 +84,25 @@ class TargetError(RuntimeError):
 
 
 def _allow_deviceless_cuda() -> None:
-    """Let JAX's CUDA plugin start on a machine without an NVIDIA driver (compile only).
+    """Let JAX's CUDA plugin and libtpu sit installed on a machine without their device.
 
-    The plugin checks the CUDA libraries and driver when JAX starts and raises without
-    them; the check is skipped only where no NVIDIA GPU is visible, so a real GPU machine
-    keeps JAX's own version checks.
+    The CUDA plugin checks the CUDA libraries and driver when JAX starts and raises without
+    them: the check is skipped only where no NVIDIA GPU is visible, so a real GPU machine
+    keeps JAX's own version checks. libtpu spends seconds looking for a TPU it cannot find:
+    where neither an NVIDIA GPU nor a TPU chip is visible and no other JAX plugin is
+    installed, JAX would end up on the CPU anyway, so JAX's platforms are set to ``cpu``
+    (unless the user set ``JAX_PLATFORMS``). Nothing is changed once JAX has started.
     """
-    if "JAX_SKIP_CUDA_CONSTRAINTS_CHECK" in os.environ or _jax.initialized_platforms():
+    if _jax.initialized_platforms():
         return
-    if _jax.cuda_plugin_installed() and not _jax.has_visible_nvidia_gpu():
+    gpu = _jax.has_visible_nvidia_gpu()
+    if "JAX_SKIP_CUDA_CONSTRAINTS_CHECK" not in os.environ and _jax.cuda_plugin_installed() \
+            and not gpu:
         os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+    if "JAX_PLATFORMS" not in os.environ and not gpu and not _jax.has_visible_tpu() \
+            and not jax.config.jax_platforms and _jax.only_known_plugins() \
+            and (_jax.libtpu_installed() or _jax.cuda_plugin_installed()):
+        jax.config.update("jax_platforms", "cpu")  # jax read the environment on import
 
 
 _allow_deviceless_cuda()
