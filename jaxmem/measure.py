@@ -154,6 +154,51 @@ def compiled_figures(compiled: Any, fn: Any, args: Any, kwargs: Any | None = Non
                    platform=platform)
 
 
+_HLO_DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\(?[a-z0-9]+\[[^\]]*\])")
+_HLO_DOT = re.compile(r"=\s*[a-z0-9]+\[([^\]]*)\]\S*\s+dot\(%?([\w.\-]+),")
+_HLO_CONTRACT = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
+
+
+def _dims(shape: str) -> list[int]:
+    return [int(d) for d in re.findall(r"\d+", shape.split("[", 1)[-1])]
+
+
+def hlo_dot_flops(compiled: Any) -> float:
+    """Matmul FLOPs in a compiled program's optimised HLO: ``2 x output elements x
+    contracted size`` of every ``dot`` instruction, fused ones and the copies XLA's own
+    rematerialisation made included.
+
+    For comparing what compilers do to the same step where ``cost_analysis()`` reports
+    nothing (XLA:GPU without the device): jaxmem's count (:func:`count_flops`) sees the
+    program before XLA rewrites it, this sees it after. It counts matmuls only (no
+    elementwise work, no convolutions, which XLA:GPU lowers to cuDNN calls) and a loop
+    body once.
+    """
+    text = compiled.as_text()
+    shapes: dict[str, list[int]] = {}
+    for line in text.splitlines():
+        m = _HLO_DEF.match(line)
+        if m:
+            shapes[m.group(1)] = _dims(m.group(2))
+    total = 0.0
+    for line in text.splitlines():
+        m = _HLO_DOT.search(line)
+        c = _HLO_CONTRACT.search(line)
+        if not m or not c:
+            continue
+        out = 1
+        for d in re.findall(r"\d+", m.group(1)):
+            out *= int(d)
+        lhs = shapes.get(m.group(2))
+        if lhs is None:
+            continue
+        k = 1
+        for i in (int(x) for x in c.group(1).split(",") if x):
+            k *= lhs[i]
+        total += 2.0 * out * k
+    return total
+
+
 _UNITS = [("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)]
 
 _SIZE_UNITS = {

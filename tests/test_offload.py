@@ -211,7 +211,7 @@ def test_offload_needs_a_host_memory_kind(monkeypatch):
     from jaxmem import _jax
 
     step, args = _step(tag=False)
-    monkeypatch.setattr(_jax, "memory_kinds", lambda: frozenset({"device"}))
+    monkeypatch.setattr(_jax, "memory_kinds", lambda device=None: frozenset({"device"}))
     with pytest.raises(ValueError, match="pinned_host"):
         jaxmem.optimize(step, offload=True).plan(*args)
     jaxmem.optimize(step, offload=False).plan(*args)  # no offload asked: fine
