@@ -66,10 +66,19 @@ class Search:
     trail: list[tuple[int, int | None, bool]] = dataclasses.field(default_factory=list)
 
 
+#: The compile target (``--target``): None compiles for this machine's CPU; a
+#: :mod:`jaxmem.targets` spec (``h100``, ``v5e``...) compiles for that device, deviceless.
+TARGET: Any = None
+
+
 def _workload(name: str, size: str, batch: int, policy: Any = None) -> zoo.Workload:
     # Abstract state (ShapeDtypeStructs): compiling needs shapes only, and skipping the
     # parameter initialisation keeps the search fast. Same shapes as zoo.make(..., batch=B).
-    return zoo._make(name, size, batch, policy, 0, abstract=True)
+    w = zoo._make(name, size, batch, policy, 0, abstract=True)
+    if TARGET is not None:
+        state, batch = jaxmem.targets.place(w.args, TARGET)
+        w = dataclasses.replace(w, state=state, batch=batch)
+    return w
 
 
 def plain_peak(name: str, size: str, batch: int, policy: Any = None) -> int:
@@ -218,6 +227,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--cap", type=int, default=32, help="largest multiple of the start batch "
                    "searched (default 32)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"default {DEFAULT_OUT}/")
+    p.add_argument("--target", help="compile for this device (jaxmem.targets: h100, h200, "
+                   "a100, v5e, ...), deviceless; default: this machine's CPU")
     p.add_argument("--update", action="store_true",
                    help="re-measure only --models and merge them into the maxbatch.json "
                    "already in --out (its other rows, and their commands, are kept)")
@@ -236,6 +247,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Search every model; print the table; write ``maxbatch.json``."""
     args = parse_args(argv)
     from benchmarks.run import machine_info
+
+    global TARGET
+    TARGET = jaxmem.targets.require(args.target) if args.target else None
 
     t0 = time.perf_counter()
     log = lambda s: print(s, file=sys.stderr, flush=True)
@@ -264,6 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta.update(command=" ".join(["python -m benchmarks.maxbatch",
                                   *(sys.argv[1:] if argv is None else argv)]),
                 size=args.size, tol=args.tol, cap=args.cap,
+                target=str(TARGET) if TARGET is not None else "cpu",
                 seconds=round(time.perf_counter() - t0, 1),
                 compiler_options=measure.compiler_options())
     if commands:

@@ -243,6 +243,34 @@ def _loop(
     return carry, ys
 
 
+def _checked_out_axes(
+    out_shape: Any, out_axes: Any, out_names: str, layout: _Layout
+) -> tuple[list[Any], list[Any], Any]:
+    """The output leaves' concatenation axes (normalised; ``_BCAST`` = summed), their shapes
+    for one chunk and the output tree; a clear error for an axis that is not the chunked one."""
+    oaxes = _out_axes(out_shape, out_axes)
+    out_leaves_shape, out_tree = jax.tree_util.tree_flatten(out_shape)
+    for j, (a, s) in enumerate(zip(oaxes, out_leaves_shape, strict=True)):
+        if a is not _BCAST and not -len(s.shape) <= a < len(s.shape):
+            raise ValueError(
+                f"chunked: output leaf {j} of {out_names} has shape {s.shape} and no axis {a} "
+                f"to concatenate the chunks along; set out_axes to an axis in "
+                f"[{-len(s.shape)}, {len(s.shape) - 1}] for it, or None (reduce='sum') to add "
+                "the chunks' values."
+            )
+        if a is not _BCAST and s.shape[a % len(s.shape)] != layout.size:
+            raise ValueError(
+                f"chunked: output leaf {j} of {out_names} has shape {s.shape} for a chunk of "
+                f"{layout.size}, so its axis {a} is not the chunked one; set out_axes to the "
+                "output axis that follows the input's chunks, or None to add the chunks' values."
+            )
+    oaxes = [
+        a if a is _BCAST else a % len(s.shape)
+        for a, s in zip(oaxes, out_leaves_shape, strict=True)
+    ]
+    return oaxes, out_leaves_shape, out_tree
+
+
 def _run(
     body: Callable[..., tuple[Any, Any]],
     carry: Any,
@@ -286,26 +314,8 @@ def _run(
     ]
     carry_shape, out_shape = jax.eval_shape(call, carry, chunk_shapes)
     del carry_shape
-    oaxes = _out_axes(out_shape, out_axes)
-    out_leaves_shape, out_tree = jax.tree_util.tree_flatten(out_shape)
-    for j, (a, s) in enumerate(zip(oaxes, out_leaves_shape, strict=True)):
-        if a is not _BCAST and not -len(s.shape) <= a < len(s.shape):
-            raise ValueError(
-                f"chunked: output leaf {j} of {out_names} has shape {s.shape} and no axis {a} "
-                f"to concatenate the chunks along; set out_axes to an axis in "
-                f"[{-len(s.shape)}, {len(s.shape) - 1}] for it, or None (reduce='sum') to add "
-                "the chunks' values."
-            )
-        if a is not _BCAST and s.shape[a % len(s.shape)] != layout.size:
-            raise ValueError(
-                f"chunked: output leaf {j} of {out_names} has shape {s.shape} for a chunk of "
-                f"{layout.size}, so its axis {a} is not the chunked one; set out_axes to the "
-                "output axis that follows the input's chunks, or None to add the chunks' values."
-            )
-    oaxes = [
-        a if a is _BCAST else a % len(s.shape)
-        for a, s in zip(oaxes, out_leaves_shape, strict=True)
-    ]
+    oaxes, out_leaves_shape, out_tree = _checked_out_axes(out_shape, out_axes, out_names,
+                                                         layout)
     summed = [j for j, a in enumerate(oaxes) if a is _BCAST]
 
     def step(state: tuple[Any, list[Any]], chunk: list[Any]) -> tuple[Any, list[Any]]:

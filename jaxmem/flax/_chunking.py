@@ -48,6 +48,70 @@ def _out_axes_default(axis: int, out_axes: Any, reduce: str | None) -> Any:
 # --- linen -------------------------------------------------------------------------------------
 
 
+def _linen_chunked_call(
+    orig: Callable[..., Any],
+    *,
+    chunks: int,
+    in_axes: Any,
+    out_axes: Any,
+    remat: bool,
+    policy: Callable[..., Any] | None,
+    prevent_cse: bool,
+    variable_broadcast: Any,
+    split_rngs: Mapping[str, bool],
+) -> Callable[..., Any]:
+    """The ``__call__`` of :func:`linen_chunked`'s class: ``orig`` through an ``nn.scan`` over
+    chunks (plus one call for a shorter last chunk), outputs concatenated or summed."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
+        names = _arg_names(orig, len(args) + 1)[1:]
+        leaves, treedef = jax.tree_util.tree_flatten(args)
+        axes = _leaf_axes(args, in_axes, names)
+        layout, axes = _layout(_named_leaves(args, names), leaves, axes, chunks)
+        cut = [i for i, a in enumerate(axes) if a is not _BCAST]
+
+        def call(mdl: nn.Module, chunk: list[Any]) -> Any:
+            full = list(leaves)
+            for i, x in zip(cut, chunk, strict=True):
+                full[i] = x
+            return orig(mdl, *jax.tree_util.tree_unflatten(treedef, full), **kwargs)
+
+        def body(mdl: nn.Module, carry: Any, chunk: list[Any]) -> tuple[Any, Any]:
+            return carry, call(mdl, chunk)
+
+        def tail_call(mdl: nn.Module, chunk: list[Any]) -> Any:
+            return call(mdl, chunk)
+
+        if remat:
+            body = nn.remat(body, prevent_cse=prevent_cse, policy=policy)
+            tail_call = nn.remat(tail_call, prevent_cse=prevent_cse, policy=policy)
+        scan = nn.scan(
+            body,
+            variable_broadcast=variable_broadcast,
+            split_rngs=split_rngs,
+            length=layout.full,
+            in_axes=0,
+            out_axes=0,
+        )
+        _, ys = scan(self, 0, [_stack(leaves[i], axes[i], layout) for i in cut])
+        y_leaves, out_tree = jax.tree_util.tree_flatten(ys)
+        oaxes = _out_axes(ys, out_axes)
+        outs = []
+        for y, a in zip(y_leaves, oaxes, strict=True):
+            outs.append(y.sum(0) if a is _BCAST else _unstack(y, a % (y.ndim - 1), layout))
+        if layout.tail:
+            lo, hi = layout.n - layout.tail, layout.n
+            tail = [lax.slice_in_dim(leaves[i], lo, hi, axis=axes[i]) for i in cut]
+            t_leaves = jax.tree_util.tree_leaves(tail_call(self, tail))
+            outs = [
+                o + t if a is _BCAST else jnp.concatenate([o, t], axis=a % t.ndim)
+                for o, t, a in zip(outs, t_leaves, oaxes, strict=True)
+            ]
+        return jax.tree_util.tree_unflatten(out_tree, outs)
+
+    return __call__
+
+
 def linen_chunked(
     target: type[nn.Module] | nn.Module,
     *,
@@ -114,53 +178,10 @@ def linen_chunked(
     in_axes = axis if in_axes is _DEFAULT else in_axes
     split_rngs = {"params": False, "dropout": True} if split_rngs is None else dict(split_rngs)
     orig = target.__call__
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
-        names = _arg_names(orig, len(args) + 1)[1:]
-        leaves, treedef = jax.tree_util.tree_flatten(args)
-        axes = _leaf_axes(args, in_axes, names)
-        layout, axes = _layout(_named_leaves(args, names), leaves, axes, chunks)
-        cut = [i for i, a in enumerate(axes) if a is not _BCAST]
-
-        def call(mdl: nn.Module, chunk: list[Any]) -> Any:
-            full = list(leaves)
-            for i, x in zip(cut, chunk, strict=True):
-                full[i] = x
-            return orig(mdl, *jax.tree_util.tree_unflatten(treedef, full), **kwargs)
-
-        def body(mdl: nn.Module, carry: Any, chunk: list[Any]) -> tuple[Any, Any]:
-            return carry, call(mdl, chunk)
-
-        def tail_call(mdl: nn.Module, chunk: list[Any]) -> Any:
-            return call(mdl, chunk)
-
-        if remat:
-            body = nn.remat(body, prevent_cse=prevent_cse, policy=policy)
-            tail_call = nn.remat(tail_call, prevent_cse=prevent_cse, policy=policy)
-        scan = nn.scan(
-            body,
-            variable_broadcast=variable_broadcast,
-            split_rngs=split_rngs,
-            length=layout.full,
-            in_axes=0,
-            out_axes=0,
-        )
-        _, ys = scan(self, 0, [_stack(leaves[i], axes[i], layout) for i in cut])
-        y_leaves, out_tree = jax.tree_util.tree_flatten(ys)
-        oaxes = _out_axes(ys, out_axes)
-        outs = []
-        for y, a in zip(y_leaves, oaxes, strict=True):
-            outs.append(y.sum(0) if a is _BCAST else _unstack(y, a % (y.ndim - 1), layout))
-        if layout.tail:
-            lo, hi = layout.n - layout.tail, layout.n
-            tail = [lax.slice_in_dim(leaves[i], lo, hi, axis=axes[i]) for i in cut]
-            t_leaves = jax.tree_util.tree_leaves(tail_call(self, tail))
-            outs = [
-                o + t if a is _BCAST else jnp.concatenate([o, t], axis=a % t.ndim)
-                for o, t, a in zip(outs, t_leaves, oaxes, strict=True)
-            ]
-        return jax.tree_util.tree_unflatten(out_tree, outs)
-
+    __call__ = _linen_chunked_call(
+        orig, chunks=chunks, in_axes=in_axes, out_axes=out_axes, remat=remat, policy=policy,
+        prevent_cse=prevent_cse, variable_broadcast=variable_broadcast, split_rngs=split_rngs,
+    )
     __call__.__doc__ = orig.__doc__
     return type(
         f"Chunked{target.__name__}",
