@@ -62,7 +62,8 @@ def summary(data: dict[str, Any]) -> str:
     results = [r for r in data["results"] if not r.get("error")]
     variants = list(dict.fromkeys(r["variant"] for r in results if r["variant"] != "plain"))
     head = ["model", "plain peak"] + [f"{v}: peak / FLOPs" for v in variants]
-    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    lines = [_caption(data), "", "| " + " | ".join(head) + " |",
+             "|---|" + "---:|" * (len(head) - 1)]
     saved: dict[str, list[float]] = {v: [] for v in variants}
     by_model: dict[str, dict[str, dict[str, Any]]] = {}
     for r in results:
@@ -85,6 +86,20 @@ def summary(data: dict[str, Any]) -> str:
         f"**{-100 * sum(x) / len(x):+.1f}%**" if x else "" for x in saved.values()]
     lines.append("| " + " | ".join(mean) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _caption(data: dict[str, Any]) -> str:
+    """Which compiler the figures are from, and whose FLOP count."""
+    meta = data["meta"]
+    target = meta.get("target", "cpu")
+    sources = {r.get("flops_source", "xla") for r in data["results"] if not r.get("error")}
+    flops = ("jaxmem's count of the traced program (XLA:GPU reports none without the device)"
+             if sources == {"jaxmem"} else "XLA's `cost_analysis()`")
+    where = (f"compiled for {target} without the device (compile-only)"
+             if not str(target).startswith("cpu") else
+             f"compiled for this machine's CPU ({meta.get('processor', '')})")
+    return (f"Figures {where}; jax {meta.get('jax')}, {meta.get('date', '')[:10]}; "
+            f"`{meta.get('command', 'python -m benchmarks')}`. FLOPs: {flops}.")
 
 
 def _signed(x: float, base: float) -> str:
