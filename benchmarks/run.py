@@ -370,6 +370,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                         target=args.target))
             bar.update()
         results.extend(mine)
+        # after every model, so a run stopped early keeps what it measured
+        write_results(args.out, dict(meta, partial=True), results)
         title = (
             f"\n{name} ({args.size}, batch {w.batch_size}, {w.n_blocks} blocks): {w.description}"
         )
