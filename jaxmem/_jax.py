@@ -277,13 +277,15 @@ def has_visible_tpu() -> bool:
 def only_known_plugins() -> bool:
     """True if the only JAX PJRT plugins installed are the CUDA ones (``jax_plugins.xla_cuda*``)
     and libtpu, whose devices :func:`has_visible_nvidia_gpu` / :func:`has_visible_tpu` see."""
+    import importlib.util
     import pkgutil
 
-    try:
-        import jax_plugins
-    except ImportError:
+    # jax_plugins is the namespace package plugins install into, not a dependency: look it
+    # up without importing it.
+    spec = importlib.util.find_spec("jax_plugins")
+    if spec is None or not spec.submodule_search_locations:
         return True
-    names = {m.name for m in pkgutil.iter_modules(jax_plugins.__path__)}
+    names = {m.name for m in pkgutil.iter_modules(spec.submodule_search_locations)}
     return names <= {"xla_cuda12", "xla_cuda13"}
 
 
