@@ -171,10 +171,9 @@ def test_offload_fits_below_what_recompute_reaches():
     a = jaxmem.optimize(w.step, donate_argnums=(0,)).analysis(*w.args)
     with pytest.raises(BudgetError) as err:
         jaxmem.optimize(w.step, budget=a.argument_bytes + 1, donate_argnums=(0,)).plan(*w.args)
-    lowest = err.value.minimum_bytes
-    budget = int(0.9 * lowest)
-    with pytest.raises(BudgetError):
-        jaxmem.optimize(w.step, budget=budget, donate_argnums=(0,)).plan(*w.args)
+    # minimum_bytes is the lowest compiled peak the (deterministic) search reached, so 90%
+    # of it is out of reach without offload.
+    budget = int(0.9 * err.value.minimum_bytes)
     opt = jaxmem.optimize(w.step, budget=Budget(budget, profile="cpu"), offload=True,
                           donate_argnums=(0,))
     plan = opt.plan(*w.args)
