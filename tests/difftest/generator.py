@@ -55,6 +55,7 @@ FAMILIES: dict[str, tuple[bool, float]] = {
     "nested_jit": (True, 0.8),
     "checkpoint": (True, 0.8),
     "checkpoint_name": (False, 0.8),
+    "offload_name": (False, 0.4),
     "dropout": (False, 1.0),
     "batchnorm": (True, 1.0),
     "low_precision": (True, 0.8),
@@ -315,6 +316,9 @@ def _apply_op(i: int, op: Op, h: jax.Array, p: dict[str, jax.Array], ctx: dict[s
         return fn(h, p["w"], p["b"])
     if f == "checkpoint_name":
         return checkpoint_name(jnp.tanh(h), f"t{i}") * 2.0
+    if f == "offload_name":
+        import jaxmem
+        return jnp.sin(jaxmem.offload_name(jnp.tanh(h), f"o{i}")) + h
     if f == "dropout":
         key = jax.random.fold_in(ctx["rng"], i)
         keep = jax.random.bernoulli(key, 0.8, h.shape)
