@@ -7,8 +7,8 @@ strategy (``--all-strategies``) or one per pack in rotation. Stops after ``--cou
 or ``--seconds``; the JSON summary (``--out``) is rewritten after every pack, so a run that
 is stopped keeps what it did.
 
-    nice -n 10 python -m benchmarks.differential --seconds 3600 \
-        --out benchmarks/results/differential.json
+    nice -n 10 python -m benchmarks.differential --seconds 3600 --out
+        benchmarks/results/differential.json
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.difftest.check import STRATEGIES  # noqa: E402
+from tests.difftest.check import OBSERVED, STRATEGIES  # noqa: E402
 from tests.difftest.generator import generate  # noqa: E402
 from tests.difftest.runner import run_pack  # noqa: E402
 
@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             "budget_violations": sum(f["kind"] == "budget" for f in failures),
             "peak_above_plain": sum(f["kind"] == "peak" for f in failures),
             "errors": sum(f["kind"] == "error" for f in failures),
+            "observed": OBSERVED, "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "failures": failures[:200], "ops_per_family": dict(families.most_common()),
             "args": vars(a)}
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
