@@ -308,6 +308,9 @@ class Optimized:
             plan, compiled = self._unplanned_budget(plan, analysis, plain, flat)
         if (self.verify and self.budget is None and plan.recompute and not plan.offload):
             plan, compiled = self._verified(plan, analysis, jit_plan, plain, dyn_args, kwargs)
+        elif self.verify and self.budget is None and plan.offload:
+            plan, compiled = self._verified_offload(plan, analysis, jit_plan, plain, flat,
+                                                    platform)
         # A budget the plain step already fits drops nothing: run the plain step itself (its
         # figures are the ones the budget was checked against).
         nothing = self.budget is not None and not (plan.recompute or plan.offload)
@@ -417,6 +420,41 @@ class Optimized:
                 f"not below the plain step's {fmt_bytes(base.peak)}: kept the plain step "
                 "(pass verify=False to force the plan, or try a budget)")
         warnings.warn(f"jaxmem.optimize: {note}", stacklevel=5)
+        return dataclasses.replace(none, notes=plan.notes + (note,), compiled=base,
+                                   baseline=base), base_exe
+
+    def _verified_offload(self, plan: Plan, analysis: Analysis,
+                          jit_plan: Callable[[Plan], Any], plain: Any, flat: Sequence[Any],
+                          platform: str) -> tuple[Plan, Any]:
+        """``verify`` for a plan that offloads (``offload=True`` or ``offload_name`` tags, no
+        budget): compile it and the same offloads without recompute, keep the lower device
+        peak (:func:`device_peak`: XLA's, or on CPU the estimate without host-resident
+        bytes); if neither is below the plain step's compiled peak, keep the plain step with
+        a warning and a note, as :meth:`_verified` does."""
+        base_exe = measure.compile(plain.lower(*flat))
+        base = _read(base_exe, plain, flat)
+        only = strategies.plan_offload(analysis, strategies.plan_none(analysis),
+                                       offload=self.offload)
+        variants = [plan] + ([dataclasses.replace(only, donated=plan.donated)]
+                             if only.offload and set(only.offload) != set(plan.offload) or
+                             plan.recompute else [])
+        best = None
+        for p in variants:
+            jitted = jit_plan(p)
+            exe = measure.compile(jitted.lower(*flat))
+            fig = _read(exe, jitted, flat)
+            peak, why = device_peak(analysis.program, p, fig, platform)
+            if best is None or (peak, fig.flops) < (best[0], best[2].flops):
+                best = (peak, p, fig, exe, why)
+        peak, best_plan, fig, exe, why = best
+        if peak <= base.peak:
+            notes = best_plan.notes + ((why,) if why else ())
+            return dataclasses.replace(best_plan, notes=notes).with_figures(fig, base), exe
+        note = (f"the {plan.strategy!r} plan's device peak {fmt_bytes(peak)} is not below the "
+                f"plain step's {fmt_bytes(base.peak)}: kept the plain step, nothing offloaded "
+                "(pass verify=False to force the plan, or try a budget)")
+        warnings.warn(f"jaxmem.optimize: {note}", stacklevel=5)
+        none = dataclasses.replace(strategies.plan_none(analysis), donated=plan.donated)
         return dataclasses.replace(none, notes=plan.notes + (note,), compiled=base,
                                    baseline=base), base_exe
 
