@@ -13,6 +13,13 @@ CASES: list[tuple[Case, str, str]] = [
     # returned the plain step, compiled above B, instead of raising BudgetError.
     (Case(seed=7, ops=(Op("dense_act", 3), Op("layernorm", 0)), update="sgd",
           detached=True), "budget", "no backward pass: budget ignored"),
+    # An offload_name tag (no budget) sent the plan down a path verify skipped: the
+    # auto+offload plan compiled to 3316 B against plain jit's 3100 B, without a note.
+    (Case(seed=1, ops=(Op("dense_act", 1), Op("offload_name", 0), Op("dense_act", 2))),
+     "auto", "offload_name tag: unverified plan above plain"),
+    # The same with offload=True: 3708 B against 3100 B.
+    (Case(seed=1, ops=(Op("dense_act", 1), Op("offload_name", 0), Op("dense_act", 2))),
+     "offload", "offload=True: unverified plan above plain"),
 ]
 
 #: index in CASES -> reason, for entries still failing (run as xfail(strict=True)).
