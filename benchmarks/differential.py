@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pack-size", type=int, default=10)
     ap.add_argument("--max-ops", type=int, default=6)
     ap.add_argument("--all-strategies", action="store_true")
+    ap.add_argument("--strategies", default=",".join(STRATEGIES),
+                    help="comma-separated subset of " + ",".join(STRATEGIES))
     ap.add_argument("--max-compiles", type=int, default=6)
     ap.add_argument("--out", default="benchmarks/results/differential.json")
     a = ap.parse_args(argv)
@@ -47,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     while steps < a.count and (a.seconds is None or time.perf_counter() - t0 < a.seconds):
         size = 1 if packs % 5 == 4 else a.pack_size
         cases = [generate(s, max_ops=a.max_ops) for s in range(seed, seed + size)]
-        chosen = STRATEGIES if a.all_strategies else [STRATEGIES[packs % len(STRATEGIES)]]
+        strategies = a.strategies.split(",")
+        chosen = strategies if a.all_strategies else [strategies[packs % len(strategies)]]
         for r in run_pack(cases, chosen, max_compiles=a.max_compiles):
             checks[r.strategy] += len(cases)
             for f in r.findings:

@@ -77,7 +77,8 @@ def _copy(tree: Any) -> Any:
 #: What :func:`compare` has seen in this process: float leaves compared, how many were bit for
 #: bit equal, the largest difference relative to the leaf's scale (f32-only programs and
 #: programs with a bf16/f16 section apart).
-OBSERVED = {"float_leaves": 0, "bitwise_equal": 0, "max_rel_f32": 0.0, "max_rel_low": 0.0}
+OBSERVED = {"float_leaves": 0, "bitwise_equal": 0, "max_rel_f32": 0.0, "max_rel_low": 0.0,
+            "budget_met": 0, "budget_error": 0}
 
 
 def compare(ref: Any, got: Any, rtol: float) -> list[str]:
@@ -154,7 +155,9 @@ def check(step: Callable[..., Any], args: tuple[Any, ...], strategy: str, *,
                 try:
                     peak, plan = _optimized_peak(opt, args)
                 except jaxmem.BudgetError:
+                    OBSERVED["budget_error"] += 1
                     return found
+                OBSERVED["budget_met"] += 1
                 if plan.offload and jax.default_backend() == "cpu":
                     peak = min(peak, _estimate(plan, peak))
                 if peak > limit:
