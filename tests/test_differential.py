@@ -19,7 +19,7 @@ from jax import lax
 import jaxmem
 from tests.difftest import regressions
 from tests.difftest.check import compare, pack, plain_peak
-from tests.difftest.generator import FAMILIES, generate, init, make_step
+from tests.difftest.generator import FAMILIES, Op, generate, init, make_step
 from tests.difftest.shrink import ddmin
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,6 +80,22 @@ def test_compare_names_the_leaf():
 def test_ddmin_finds_a_minimal_failing_subset():
     assert ddmin(list(range(16)), lambda xs: 3 in xs and 11 in xs) == [3, 11]
     assert ddmin(list("abcdef"), lambda xs: "e" in xs) == ["e"]
+
+
+def test_shrink_case_keeps_the_failing_ops_and_simplifies(monkeypatch):
+    from tests.difftest import shrink
+
+    def fails(case, strategy, **kw):  # stands in for a check that fails on sort after scan
+        fams = [op.family for op in case.ops]
+        return "scan" in fams and "sort" in fams[fams.index("scan"):]
+
+    monkeypatch.setattr(shrink, "case_fails", fails)
+    case = generate(5).replace(
+        ops=tuple(generate(5).ops) + (Op("scan", 1), Op("dense", 0), Op("sort", 2)),
+        update="adam", loss="xent")
+    small = shrink.shrink_case(case, "auto")
+    assert [op.family for op in small.ops] == ["scan", "sort"]
+    assert (small.update, small.loss) == ("sgd", "mse")
 
 
 @pytest.mark.parametrize("index", range(len(regressions.CASES)))
