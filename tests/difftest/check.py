@@ -148,8 +148,14 @@ def check(step: Callable[..., Any], args: tuple[Any, ...], strategy: str, *,
                 _check_blocks(step, args, outputs)
                 return found
             if strategy in ("budget", "budget_frac"):
-                budget = (fraction if strategy == "budget_frac" else int(fraction * base))
-                limit = int(fraction * base)
+                # ``fraction`` of the headroom above the arguments' own bytes, which no plan
+                # can go below (a fraction of the whole peak is mostly out of reach for
+                # tiny steps, and every check would end in BudgetError)
+                args_bytes = measure.figures(exe).argument
+                limit = int(args_bytes + fraction * (base - args_bytes))
+                budget = limit / base if strategy == "budget_frac" else limit
+                if strategy == "budget_frac":
+                    limit = int(budget * base)
                 opt = jaxmem.optimize(step, budget=jaxmem.Budget(budget, max_compiles=max_compiles),
                                       donate_argnums=())
                 try:
@@ -162,7 +168,7 @@ def check(step: Callable[..., Any], args: tuple[Any, ...], strategy: str, *,
                     peak = min(peak, _estimate(plan, peak))
                 if peak > limit:
                     found.append(Finding("budget", strategy,
-                                         f"budget {limit} B (= {fraction} x plain {base} B) but "
+                                         f"budget {limit} B (plain {base} B) but "
                                          f"compiled peak {peak} B; plan {plan.strategy}"))
                 outputs(opt)
                 return found
