@@ -148,11 +148,12 @@ def check(step: Callable[..., Any], args: tuple[Any, ...], strategy: str, *,
                 _check_blocks(step, args, outputs)
                 return found
             if strategy in ("budget", "budget_frac"):
-                # ``fraction`` of the headroom above the arguments' own bytes, which no plan
-                # can go below (a fraction of the whole peak is mostly out of reach for
-                # tiny steps, and every check would end in BudgetError)
-                args_bytes = measure.figures(exe).argument
-                limit = int(args_bytes + fraction * (base - args_bytes))
+                # ``fraction`` of the headroom above the arguments' and outputs' own bytes,
+                # which no plan can go below (a fraction of the whole peak is mostly out of
+                # reach for tiny steps, and every check would end in BudgetError)
+                fig = measure.figures(exe)
+                floor = fig.argument + fig.output - fig.alias
+                limit = int(floor + fraction * (base - floor))
                 budget = limit / base if strategy == "budget_frac" else limit
                 if strategy == "budget_frac":
                     limit = int(budget * base)

@@ -10,7 +10,8 @@ ops freely. The step built from a case looks like a user's::
         params, opt_state = update(params, grads, opt_state)      # SGD, momentum or optax
         return (params, opt_state, stats), {"loss": loss, "grads": grads, "aux": aux}
 
-Shapes are tiny (B=4, D=8) so a compile takes tens of milliseconds.
+Shapes are tiny (B=32, D=8) so a compile takes tens of milliseconds; the batch is wider than
+the parameters so that activations, which plans drop, outweigh them, as in real steps.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-B, D = 4, 8
+B, D = 32, 8  # batch rows > width: activations (what plans drop) outweigh the parameters
 
 #: family -> (needs a parameter, weight in the draw)
 FAMILIES: dict[str, tuple[bool, float]] = {
