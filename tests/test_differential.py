@@ -102,11 +102,11 @@ def test_shrink_case_keeps_the_failing_ops_and_simplifies(monkeypatch):
 def test_regression(index):
     from tests.difftest.check import check, tolerance
 
-    case, strategy, what = regressions.CASES[index]
+    case, strategy, what, kw = regressions.CASES[index]
     if index in regressions.KNOWN:
         pytest.xfail(regressions.KNOWN[index])
     step, states, batches = pack([case])
-    assert check(step, (states, batches), strategy, rtol=tolerance([case])) == [], what
+    assert check(step, (states, batches), strategy, rtol=tolerance([case]), **kw) == [], what
 
 
 # -- bugs the generator found, one regression each ----------------------------------------------

@@ -126,10 +126,13 @@ def _optimized_peak(opt: Any, args: tuple[Any, ...]) -> tuple[int, Any]:
 
 
 def check(step: Callable[..., Any], args: tuple[Any, ...], strategy: str, *,
-          rtol: float = RTOL_F32, fraction: float = 0.6, max_compiles: int = 6,
+          rtol: float = RTOL_F32, fraction: float = 0.6, of_headroom: bool = True,
+          max_compiles: int = 6,
           reference: tuple[Any, int] | None = None) -> list[Finding]:
     """Check one step under one strategy (see the module doc). ``reference``: the plain
-    executable and peak from :func:`plain_peak`, to share one compile between strategies."""
+    executable and peak from :func:`plain_peak`, to share one compile between strategies.
+    Budgets are ``fraction`` of the headroom above arguments + outputs, or of the whole
+    plain peak (``of_headroom=False``)."""
     donate = (0,) if strategy == "auto_donate" else ()
     if reference is None or donate:
         reference = plain_peak(step, args, donate)
@@ -152,7 +155,7 @@ def check(step: Callable[..., Any], args: tuple[Any, ...], strategy: str, *,
                 # which no plan can go below (a fraction of the whole peak is mostly out of
                 # reach for tiny steps, and every check would end in BudgetError)
                 fig = measure.figures(exe)
-                floor = fig.argument + fig.output - fig.alias
+                floor = fig.argument + fig.output - fig.alias if of_headroom else 0
                 limit = int(floor + fraction * (base - floor))
                 budget = limit / base if strategy == "budget_frac" else limit
                 if strategy == "budget_frac":

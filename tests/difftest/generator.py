@@ -85,10 +85,12 @@ class Case:
     update: str = "sgd"          # "sgd" | "momentum" | "adam" (optax)
     detached: bool = False       # the loss reads no parameter: no backward pass to plan
     loss: str = "mse"            # "mse" | "xent"
+    batch: int = B               # rows of the batch (regressions keep the one they failed at)
 
     def __str__(self) -> str:
         return (f"Case(seed={self.seed}, update={self.update!r}, detached={self.detached}, "
-                f"loss={self.loss!r}, ops=[{', '.join(map(str, self.ops))}])")
+                f"loss={self.loss!r}, batch={self.batch}, "
+                f"ops=[{', '.join(map(str, self.ops))}])")
 
     def replace(self, **kw: Any) -> Case:
         return dataclasses.replace(self, **kw)
@@ -151,9 +153,10 @@ def init(case: Case) -> tuple[Any, Any]:
     key, k = jax.random.split(key)
     params["head"] = {"w": jax.random.normal(k, (D, D), jnp.float32) / np.sqrt(D)}
     k1, k2, k3 = jax.random.split(key, 3)
-    batch = {"x": jax.random.normal(k1, (B, D), jnp.float32),
-             "y": jax.random.normal(k2, (B, D), jnp.float32),
-             "label": jax.random.randint(k3, (B,), 0, D),
+    n = case.batch
+    batch = {"x": jax.random.normal(k1, (n, D), jnp.float32),
+             "y": jax.random.normal(k2, (n, D), jnp.float32),
+             "label": jax.random.randint(k3, (n,), 0, D),
              "rng": jax.random.PRNGKey(case.seed + 1)}
     opt_state = _opt_init(case, params)
     return (params, opt_state, stats), batch
@@ -221,6 +224,7 @@ def _inner_jit(h: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
 def _apply_op(i: int, op: Op, h: jax.Array, p: dict[str, jax.Array], ctx: dict[str, Any]
               ) -> jax.Array:
     f, a = op.family, op.arg
+    B = h.shape[0]  # noqa: N806 - the batch of this case
     if f == "dense":
         return h @ p["w"] + p["b"]
     if f == "dense_act":
