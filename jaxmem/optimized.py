@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,13 +22,13 @@ import numpy as np
 
 from jaxmem import _jax, measure, strategies, targets
 from jaxmem.analysis import Analysis, from_program
-from jaxmem.budget import Pareto, plan_with_budget
+from jaxmem.budget import BudgetError, Pareto, parse_budget, plan_with_budget, resolve_budget
 from jaxmem.budget.pareto import sweep
 from jaxmem.liveness import liveness
 from jaxmem.measure import Figures, fmt_bytes
 from jaxmem.plan import Decision, Plan
 from jaxmem.policies import utility
-from jaxmem.program import Program, check_leaves, from_jaxpr, trace
+from jaxmem.program import Program, backward_in_units, check_leaves, from_jaxpr, trace
 from jaxmem.rewrite import apply
 from jaxmem.tags import offload_tagged, offload_tags_out_of_reach
 
@@ -82,6 +83,16 @@ def _leaf_key(x: Any) -> Any:
             None if sharding is None else repr(sharding))
 
 
+def _positional_names(fn: Callable[..., Any]) -> list[str]:
+    """Names of ``fn``'s positional parameters, in order ([] when it has no signature)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in sig.parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
 def _normalise_argnums(argnums: int | Sequence[int] | None, n: int) -> tuple[int, ...]:
     if argnums is None:
         return ()
@@ -105,8 +116,7 @@ class Optimized:
                  remat_scans: bool = True, **jit_kwargs: Any) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-        if offload not in (False, True, "auto"):
-            raise ValueError(f"offload must be True, False or 'auto', got {offload!r}")
+        _check_options(budget, offload, donate_argnums, max_recompute_fraction)
         unknown = set(jit_kwargs) - {"keep_unused", "inline"}
         if unknown:
             raise TypeError(f"optimize got unsupported jit arguments {sorted(unknown)}; "
@@ -192,15 +202,29 @@ class Optimized:
         return self._prepare(args, kwargs)[0].analysis
 
     # -- internals --------------------------------------------------------------------------
-    def _split(self, args: tuple[Any, ...]) -> tuple[tuple[int, ...], tuple[Any, ...]]:
-        static = _normalise_argnums(self.static_argnums, len(args))
-        return static, tuple(args[i] for i in static)
+    def _split(self, args: tuple[Any, ...], kwargs: dict[str, Any]
+               ) -> tuple[tuple[int, ...], tuple[Any, ...], frozenset[str]]:
+        """Static positions, their values, and static keyword names. As in ``jax.jit``, a
+        static argument is static however it is passed: ``static_argnames`` given
+        positionally, ``static_argnums`` given by keyword (matched through the signature)."""
+        names = _positional_names(self.fn)
+        nums = (self.static_argnums,) if isinstance(self.static_argnums, int) else tuple(
+            self.static_argnums or ())
+        by_kw = {names[i % len(names)] for i in nums
+                 if names and not -len(args) <= i < len(args) and -len(names) <= i < len(names)
+                 and names[i % len(names)] in kwargs}
+        nums = tuple(i for i in nums if not (names and -len(names) <= i < len(names)
+                                              and names[i % len(names)] in by_kw))
+        nums += tuple(names.index(n) for n in self.static_argnames
+                      if n in names and names.index(n) < len(args))
+        static = _normalise_argnums(nums, len(args))
+        return static, tuple(args[i] for i in static), frozenset(self.static_argnames) | by_kw
 
     def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[_Entry, list, Any]:
-        static, static_vals = self._split(args)
+        static, static_vals, static_names = self._split(args, kwargs)
         dyn_args = tuple(a for i, a in enumerate(args) if i not in static)
-        static_kw = tuple(sorted((k, v) for k, v in kwargs.items() if k in self.static_argnames))
-        kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
+        static_kw = tuple(sorted((k, v) for k, v in kwargs.items() if k in static_names))
+        kwargs = {k: v for k, v in kwargs.items() if k not in static_names}
         check_leaves(dyn_args, kwargs)
         flat, in_tree = jax.tree_util.tree_flatten((dyn_args, kwargs))
         try:
@@ -221,6 +245,7 @@ class Optimized:
             it = iter(dyn)
             full = [args[i] if i in static else next(it) for i in range(len(args))]
             return self.fn(*full, **kw, **static_kw)
+        call.__name__ = getattr(self.fn, "__name__", "fn")  # named in trace errors
         return call
 
     def _donated(self, dyn_args: tuple[Any, ...], analysis: Analysis) -> tuple[int, ...]:
@@ -279,8 +304,13 @@ class Optimized:
             plan = strategies.plan_offload(analysis, plan, offload=self.offload)
             plan = dataclasses.replace(plan, donated=donated)
         compiled = None
+        if self.budget is not None and not planning:
+            plan, compiled = self._unplanned_budget(plan, analysis, plain, flat)
         if (self.verify and self.budget is None and plan.recompute and not plan.offload):
             plan, compiled = self._verified(plan, analysis, jit_plan, plain, dyn_args, kwargs)
+        elif self.verify and self.budget is None and plan.offload:
+            plan, compiled = self._verified_offload(plan, analysis, jit_plan, plain, flat,
+                                                    platform)
         # A budget the plain step already fits drops nothing: run the plain step itself (its
         # figures are the ones the budget was checked against).
         nothing = self.budget is not None and not (plan.recompute or plan.offload)
@@ -303,16 +333,35 @@ class Optimized:
         """MEDL's auto plan, or keep everything (``strategy="none"``, no backward pass)."""
         if not analysis.program.has_backward:
             if not self._warned_no_backward:
-                warnings.warn(
-                    f"jaxmem.optimize: {getattr(self.fn, '__name__', 'fn')} has no backward "
-                    "pass (no jax.grad inside); running it as a plain jax.jit.",
-                    stacklevel=5)
+                warnings.warn(f"jaxmem.optimize: {_why_unplanned(self.fn, analysis)}; running "
+                              "it as a plain jax.jit.", stacklevel=5)
                 self._warned_no_backward = True
             return strategies.plan_none(analysis)
         if self.strategy == "none":
             return strategies.plan_none(analysis)
         return strategies.plan_auto(analysis,
                                     max_recompute_fraction=self.max_recompute_fraction)
+
+    def _unplanned_budget(self, plan: Plan, analysis: Analysis, plain: Any,
+                          flat: Sequence[Any]) -> tuple[Plan, Any]:
+        """A budget on a step with nothing to plan (no backward pass at the top level, or
+        ``strategy="none"``): the plain step runs, so its compiled peak must fit, or
+        ``BudgetError`` (a budget is a guarantee, never a hint)."""
+        exe = measure.compile(plain.lower(*flat))
+        base = _read(exe, plain, flat)
+        requested = resolve_budget(self.budget, base.peak)
+        why = (_why_unplanned(self.fn, analysis) if not analysis.program.has_backward
+               else 'strategy="none" runs the plain step')
+        if base.peak > requested:
+            raise BudgetError(
+                f"jaxmem.optimize: {why}, so nothing can be recomputed or offloaded, and the "
+                f"plain step's compiled peak {fmt_bytes(base.peak)} is above the budget "
+                f"{fmt_bytes(requested)}. Raise the budget, use a smaller batch, or put the "
+                "memory-heavy part under jaxmem.checkpoint.", requested, base.peak)
+        note = (f"{why}: the plain step's compiled peak {fmt_bytes(base.peak)} fits the budget "
+                f"{fmt_bytes(requested)}")
+        return dataclasses.replace(plan, budget=requested, notes=plan.notes + (note,),
+                                   compiled=base, baseline=base), exe
 
     def _check_offload(self, analysis: Analysis, flat: Sequence[Any], platform: str) -> None:
         """Offload needs a host memory kind; tags the rewrite cannot reach are reported."""
@@ -374,6 +423,41 @@ class Optimized:
         return dataclasses.replace(none, notes=plan.notes + (note,), compiled=base,
                                    baseline=base), base_exe
 
+    def _verified_offload(self, plan: Plan, analysis: Analysis,
+                          jit_plan: Callable[[Plan], Any], plain: Any, flat: Sequence[Any],
+                          platform: str) -> tuple[Plan, Any]:
+        """``verify`` for a plan that offloads (``offload=True`` or ``offload_name`` tags, no
+        budget): compile it and the same offloads without recompute, keep the lower device
+        peak (:func:`device_peak`: XLA's, or on CPU the estimate without host-resident
+        bytes); if neither is below the plain step's compiled peak, keep the plain step with
+        a warning and a note, as :meth:`_verified` does."""
+        base_exe = measure.compile(plain.lower(*flat))
+        base = _read(base_exe, plain, flat)
+        only = strategies.plan_offload(analysis, strategies.plan_none(analysis),
+                                       offload=self.offload)
+        variants = [plan] + ([dataclasses.replace(only, donated=plan.donated)]
+                             if only.offload and set(only.offload) != set(plan.offload) or
+                             plan.recompute else [])
+        best = None
+        for p in variants:
+            jitted = jit_plan(p)
+            exe = measure.compile(jitted.lower(*flat))
+            fig = _read(exe, jitted, flat)
+            peak, why = device_peak(analysis.program, p, fig, platform)
+            if best is None or (peak, fig.flops) < (best[0], best[2].flops):
+                best = (peak, p, fig, exe, why)
+        peak, best_plan, fig, exe, why = best
+        if peak <= base.peak:
+            notes = best_plan.notes + ((why,) if why else ())
+            return dataclasses.replace(best_plan, notes=notes).with_figures(fig, base), exe
+        note = (f"the {plan.strategy!r} plan's device peak {fmt_bytes(peak)} is not below the "
+                f"plain step's {fmt_bytes(base.peak)}: kept the plain step, nothing offloaded "
+                "(pass verify=False to force the plan, or try a budget)")
+        warnings.warn(f"jaxmem.optimize: {note}", stacklevel=5)
+        none = dataclasses.replace(strategies.plan_none(analysis), donated=plan.donated)
+        return dataclasses.replace(none, notes=plan.notes + (note,), compiled=base,
+                                   baseline=base), base_exe
+
     def _baseline(self, entry: _Entry, flat: list[Any]) -> Figures:
         """Plain ``jax.jit`` of the user's step, compiled the same way (same donation)."""
         return _figures(entry.plain, flat)
@@ -385,6 +469,30 @@ class Optimized:
         return jax.jit(flat_fn, donate_argnums=donate_flat, **self.jit_kwargs)
 
 
+def _check_options(budget: Any, offload: Any, donate_argnums: Any,
+                   max_recompute_fraction: Any) -> None:
+    """Reject bad options when ``optimize`` is called, each with what to pass instead (an
+    option that slipped through used to be ignored or fail on the first call)."""
+    if budget is not None:
+        parse_budget(budget)
+    if not (isinstance(offload, bool | np.bool_) or offload == "auto"):
+        raise ValueError(f"offload must be True, False or 'auto', got {offload!r} "
+                         f"({type(offload).__name__})")
+    d = donate_argnums
+    ints = (isinstance(d, int | np.integer) and not isinstance(d, bool)) or (
+        isinstance(d, Sequence) and not isinstance(d, str)
+        and all(isinstance(i, int | np.integer) and not isinstance(i, bool) for i in d))
+    if not (d is None or d == "auto" or ints):
+        raise ValueError(
+            f"donate_argnums must be 'auto', None, an int or a sequence of ints (positions of "
+            f"the arguments to donate), got {d!r}; to donate every argument pass "
+            "tuple(range(n_args))")
+    f = max_recompute_fraction
+    if isinstance(f, bool) or not isinstance(f, int | float | np.number) or not 0 <= f < np.inf:
+        raise ValueError(f"max_recompute_fraction must be a number >= 0 (a fraction of the "
+                         f"step's FLOPs), got {f!r}")
+
+
 def _figures(jitted: Any, flat: Sequence[Any]) -> Figures:
     """Compiled figures of ``jitted`` on the flat arguments, compiled the jaxmem way, for
     the arguments' target (jaxmem's FLOP count where that compiler reports none)."""
@@ -394,6 +502,18 @@ def _figures(jitted: Any, flat: Sequence[Any]) -> Figures:
 def _read(compiled: Any, jitted: Any, flat: Sequence[Any]) -> Figures:
     platform = targets.platform_of(flat) or jax.default_backend()
     return measure.compiled_figures(compiled, jitted, flat, platform=platform)
+
+
+def _why_unplanned(fn: Any, analysis: Analysis) -> str:
+    """Why a step without a top-level backward pass gets no plan, for warnings and errors."""
+    name = getattr(fn, "__name__", "fn")
+    units = backward_in_units(analysis.program)
+    if units:
+        return (f"{name}'s jax.grad is inside a {'/'.join(units)} body, which the joint "
+                "rewrite keeps whole (no backward pass at the top level to plan; to save "
+                "memory there, wrap the loss inside the body in jaxmem.checkpoint)")
+    return (f"{name} has no backward pass (no jax.grad inside, or no parameter reaches the "
+            "loss)")
 
 
 def _device_of(flat: Sequence[Any]) -> Any:

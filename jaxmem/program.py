@@ -309,6 +309,31 @@ def check_leaves(args: Sequence[Any], kwargs: dict[str, Any], what: str = "argum
                 "(jaxmem.optimize(..., static_argnums=...)).")
 
 
+def backward_in_units(program: Program) -> tuple[str, ...]:
+    """Primitives of the control-flow units (``scan``, ``while``, ``cond``, ``pjit``...) whose
+    bodies hold backward equations: a ``jax.grad`` taken inside a loop body, which the joint
+    rewrite keeps whole (so a step can have a backward pass that no top-level plan reaches).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxmem
+      >>> def step(ws):
+      ...     body = lambda c, w: (c + jax.grad(lambda w: jnp.sum(jnp.sin(w)))(w).sum(), None)
+      ...     return jax.lax.scan(body, 0.0, ws)[0]
+      >>> backward_in_units(trace(step, jnp.ones((2, 3))))
+      ('scan',)
+    """
+    found: dict[str, None] = {}
+
+    def has_backward(jaxpr: Any) -> bool:
+        return any(_jax.is_backward(e) or any(has_backward(s) for s in _jax.sub_jaxprs(e))
+                   for e in jaxpr.eqns)
+
+    for n in program.nodes:
+        if n.phase != "backward" and any(has_backward(s) for s in _jax.sub_jaxprs(n.eqn)):
+            found[n.primitive] = None
+    return tuple(found)
+
+
 def trace(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Program:
     """Trace ``fn(*args, **kwargs)`` into a :class:`Program`.
 
@@ -330,7 +355,15 @@ def trace(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Program:
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*flat)
     except (TypeError, ValueError) as e:
         fname = getattr(fn, "__name__", repr(fn))
-        raise TraceError(f"jaxmem could not trace {fname}: {type(e).__name__}: {e}") from e
+        hint = ""
+        errs = jax.errors
+        if isinstance(e, errs.ConcretizationTypeError | errs.TracerIntegerConversionError
+                      | errs.TracerBoolConversionError):
+            hint = ("\nAn argument used as a Python value (a loop count, a shape, an if) is "
+                    "traced like every array: mark it static, as for jax.jit "
+                    "(jaxmem.optimize(step, static_argnums=... or static_argnames=...)), or "
+                    "bind it with functools.partial.\n")
+        raise TraceError(f"jaxmem could not trace {fname}: {hint}{type(e).__name__}: {e}") from e
     return from_jaxpr(closed, in_tree, jax.tree_util.tree_structure(out_shape))
 
 

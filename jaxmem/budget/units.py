@@ -85,6 +85,18 @@ def parse_budget(budget: Any) -> tuple[str, float]:
                 f"string such as '{budget / 2**30:.3g}GiB'.")
         return "fraction", float(budget)
     if isinstance(budget, str):
+        text = budget.strip().rstrip("%").strip()
+        try:
+            bare = float(text)
+        except ValueError:
+            bare = None
+        if bare is not None and (budget.strip().endswith("%") or bare <= 1 or bare != int(bare)):
+            # "0.5", "50%", "1e3.5": a fraction or a percentage written as a string; read as
+            # bytes it would be a budget of 0 or 1 byte, which no step fits
+            raise ValueError(
+                f"budget {budget!r} is a string without a byte unit. For a fraction of the "
+                "plain-jit peak pass a float (budget=0.5); for bytes pass an int or a string "
+                "with a unit ('500MB', '6GiB').")
         n = parse_bytes(budget, what="budget")
         return "bytes", float(n)
     raise TypeError(f"budget must be int bytes, a string like '6GiB' or a float fraction, "

@@ -1,0 +1,82 @@
+"""The long differential run: generated train steps, ``jaxmem.optimize`` against ``jax.jit``.
+
+Seeds from ``--start`` upwards are generated (:mod:`tests.difftest.generator`), packed
+``--pack-size`` to a step (every fifth pack is a single case, so whole-step properties such
+as "no backward pass" are hit too) and checked (:mod:`tests.difftest.check`) under every
+strategy (``--all-strategies``) or one per pack in rotation. Stops after ``--count`` steps
+or ``--seconds``; the JSON summary (``--out``) is rewritten after every pack, so a run that
+is stopped keeps what it did.
+
+    nice -n 10 python -m benchmarks.differential --seconds 3600 --out
+        benchmarks/results/differential.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.difftest.check import OBSERVED, STRATEGIES  # noqa: E402
+from tests.difftest.generator import generate  # noqa: E402
+from tests.difftest.runner import run_pack  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--count", type=int, default=10_000, help="generated steps to check")
+    ap.add_argument("--seconds", type=float, default=None, help="stop after this long")
+    ap.add_argument("--start", type=int, default=100_000, help="first seed")
+    ap.add_argument("--pack-size", type=int, default=10)
+    ap.add_argument("--max-ops", type=int, default=6)
+    ap.add_argument("--all-strategies", action="store_true")
+    ap.add_argument("--strategies", default=",".join(STRATEGIES),
+                    help="comma-separated subset of " + ",".join(STRATEGIES))
+    ap.add_argument("--max-compiles", type=int, default=6)
+    ap.add_argument("--out", default="benchmarks/results/differential.json")
+    a = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    seed, steps, checks, packs = a.start, 0, Counter(), 0
+    failures: list[dict] = []
+    families: Counter = Counter()
+    while steps < a.count and (a.seconds is None or time.perf_counter() - t0 < a.seconds):
+        size = 1 if packs % 5 == 4 else a.pack_size
+        cases = [generate(s, max_ops=a.max_ops) for s in range(seed, seed + size)]
+        strategies = a.strategies.split(",")
+        chosen = strategies if a.all_strategies else [strategies[packs % len(strategies)]]
+        for r in run_pack(cases, chosen, max_compiles=a.max_compiles):
+            checks[r.strategy] += len(cases)
+            for f in r.findings:
+                failures.append({"seeds": r.seeds, "strategy": f.strategy, "kind": f.kind,
+                                 "detail": f.detail})
+                print(f"FAIL seeds {r.seeds[0]}..{r.seeds[-1]}: {f}", flush=True)
+        for c in cases:
+            families.update(op.family for op in c.ops)
+        seed += size
+        steps += size
+        packs += 1
+        summary = {
+            "steps": steps, "packs": packs, "seeds": [a.start, seed - 1],
+            "seconds": round(time.perf_counter() - t0, 1), "checks_per_strategy": checks,
+            "mismatches": sum(f["kind"] in ("mismatch", "structure") for f in failures),
+            "budget_violations": sum(f["kind"] == "budget" for f in failures),
+            "peak_above_plain": sum(f["kind"] == "peak" for f in failures),
+            "errors": sum(f["kind"] == "error" for f in failures),
+            "observed": OBSERVED, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "failures": failures[:200], "ops_per_family": dict(families.most_common()),
+            "args": vars(a)}
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(summary, indent=1, default=dict))
+        print(f"{steps} steps, {len(failures)} findings, {summary['seconds']} s", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

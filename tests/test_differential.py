@@ -1,0 +1,187 @@
+"""Differential testing (issue 19): generated train steps under ``jaxmem.optimize`` against
+``jax.jit``, the shrinker, the regressions it found, and the bad inputs of the survey in
+docs/testing.md (each gets a clear error, never a wrong answer)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+
+import jaxmem
+from tests.difftest import regressions
+from tests.difftest.check import compare, pack, plain_peak
+from tests.difftest.generator import FAMILIES, Op, generate, init, make_step
+from tests.difftest.shrink import ddmin
+
+ROOT = Path(__file__).resolve().parent.parent
+#: XLA:CPU's LLVM back end at -O0 halves compile time; buffer assignment (the memory
+#: figures) is decided before it, and plain jit and jaxmem are compiled with the same flags.
+FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def _step(w, x):
+    loss, g = jax.value_and_grad(lambda w: jnp.sum(jnp.tanh(jnp.tanh(x @ w) @ w) ** 2))(w)
+    return w - 0.1 * g, loss
+
+
+W, X = jnp.ones((32, 32)) * 0.05, jnp.ones((16, 32))
+
+
+# -- the generated batch ---------------------------------------------------------------------
+def test_generated_steps_match_jit(tmp_path):
+    """205 fixed-seed generated steps (seven packs, 34 cases to a compile, one single case),
+    strategies in rotation: 0 mismatches, 0 budget violations, 0 peaks above plain without a
+    reason, 0 errors. About 140 s of CPU time (docs/testing.md)."""
+    out = tmp_path / "diff.json"
+    env = dict(os.environ, XLA_FLAGS=FAST_XLA, JAX_PLATFORMS="cpu")
+    r = subprocess.run(
+        [sys.executable, "-m", "benchmarks.differential", "--count", "200", "--start", "0",
+         "--pack-size", "34", "--max-ops", "3", "--max-compiles", "3", "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    summary = json.loads(out.read_text())
+    assert summary["steps"] >= 200
+    assert summary["failures"] == [], r.stdout[-3000:]
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_generator_is_deterministic_and_covers_every_family():
+    assert generate(123) == generate(123)
+    seen = {op.family for s in range(400) for op in generate(s).ops}
+    assert seen == set(FAMILIES)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_generated_step_traces_and_outputs_are_complete(seed):
+    case = generate(seed)
+    state, batch = init(case)
+    out = jax.eval_shape(make_step(case), state, batch)
+    assert jax.tree_util.tree_structure(out[0]) == jax.tree_util.tree_structure(state)
+    assert set(out[1]) == {"loss", "grads", "aux"}
+
+
+def test_compare_names_the_leaf():
+    ref = {"a": jnp.ones(3), "n": jnp.arange(3)}
+    assert compare(ref, ref, 1e-6) == []
+    bad = compare(ref, {"a": jnp.ones(3) * 1.1, "n": jnp.arange(3)}, 1e-6)
+    assert len(bad) == 1 and "['a']" in bad[0]
+    assert "structure" in compare(ref, {"a": jnp.ones(3)}, 1e-6)[0]
+    assert "int32" in compare(ref, {"a": jnp.ones(3), "n": jnp.ones(3)}, 1e-6)[0]
+
+
+def test_ddmin_finds_a_minimal_failing_subset():
+    assert ddmin(list(range(16)), lambda xs: 3 in xs and 11 in xs) == [3, 11]
+    assert ddmin(list("abcdef"), lambda xs: "e" in xs) == ["e"]
+
+
+def test_shrink_case_keeps_the_failing_ops_and_simplifies(monkeypatch):
+    from tests.difftest import shrink
+
+    def fails(case, strategy, **kw):  # stands in for a check that fails on sort after scan
+        fams = [op.family for op in case.ops]
+        return "scan" in fams and "sort" in fams[fams.index("scan"):]
+
+    monkeypatch.setattr(shrink, "case_fails", fails)
+    case = generate(5).replace(
+        ops=tuple(generate(5).ops) + (Op("scan", 1), Op("dense", 0), Op("sort", 2)),
+        update="adam", loss="xent")
+    small = shrink.shrink_case(case, "auto")
+    assert [op.family for op in small.ops] == ["scan", "sort"]
+    assert (small.update, small.loss) == ("sgd", "mse")
+
+
+@pytest.mark.parametrize("index", range(len(regressions.CASES)))
+def test_regression(index):
+    from tests.difftest.check import check, tolerance
+
+    case, strategy, what, kw = regressions.CASES[index]
+    if index in regressions.KNOWN:
+        pytest.xfail(regressions.KNOWN[index])
+    step, states, batches = pack([case])
+    assert check(step, (states, batches), strategy, rtol=tolerance([case]), **kw) == [], what
+
+
+# -- bugs the generator found, one regression each ----------------------------------------------
+def _no_backward(w, x):
+    g = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ lax.stop_gradient(w))))(w)
+    return w - g, jnp.sum(jnp.tanh(x @ w) ** 2)
+
+
+def test_budget_is_a_guarantee_without_backward_pass():
+    _, base = plain_peak(_no_backward, (W, X))
+    step = jaxmem.optimize(_no_backward, budget=int(0.7 * base), donate_argnums=())
+    with pytest.raises(jaxmem.BudgetError, match="no backward pass") as e:
+        step(W, X)
+    assert e.value.minimum_bytes == base
+    fits = jaxmem.optimize(_no_backward, budget=2 * base, donate_argnums=())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = fits(W, X)
+        plan = fits.plan(W, X)
+    assert plan.compiled.peak <= 2 * base and "fits the budget" in plan.notes[-1]
+    assert compare(jax.jit(_no_backward)(W, X), out, 1e-6) == []
+
+
+def _grad_in_scan(ws, x):
+    def body(c, w):
+        v, g = jax.value_and_grad(lambda w: jnp.sum(jnp.tanh(jnp.tanh(x @ w) @ w) ** 2))(w)
+        return c + v, w - 0.1 * g
+    loss, new = lax.scan(body, 0.0, ws)
+    return new, loss
+
+
+def test_grad_inside_scan_is_named_and_budget_kept():
+    ws = jnp.stack([W, W])
+    with pytest.warns(UserWarning, match="jax.grad is inside a scan body"):
+        out = jaxmem.optimize(_grad_in_scan, donate_argnums=())(ws, X)
+    assert compare(jax.jit(_grad_in_scan)(ws, X), out, 1e-6) == []
+    _, base = plain_peak(_grad_in_scan, (ws, X))
+    with pytest.raises(jaxmem.BudgetError, match="inside a scan body"):
+        jaxmem.optimize(_grad_in_scan, budget=int(0.5 * base), donate_argnums=())(ws, X)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"offload": 1}, "offload must be True, False or 'auto'"),
+    ({"offload": "yes"}, "offload must be True, False or 'auto'"),
+    ({"budget": "0.5"}, "string without a byte unit"),
+    ({"budget": "50%"}, "string without a byte unit"),
+    ({"budget": 1.5}, "float above 1"),
+    ({"budget": "6 parsecs"}, "cannot parse budget"),
+    ({"donate_argnums": "all"}, "donate_argnums must be"),
+    ({"donate_argnums": 1.0}, "donate_argnums must be"),
+    ({"max_recompute_fraction": -1}, "max_recompute_fraction must be"),
+])
+def test_bad_options_fail_when_optimize_is_called(kw, match):
+    with pytest.raises(ValueError, match=match):
+        jaxmem.optimize(_step, **kw)
+
+
+def _loop(w, x, n):
+    def loss(w):
+        h = x
+        for _ in range(n):
+            h = jnp.tanh(h @ w)
+        return jnp.sum(h ** 2)
+    v, g = jax.value_and_grad(loss)(w)
+    return w - 0.1 * g, v
+
+
+def test_static_arguments_passed_either_way_like_jit():
+    want = jax.jit(_loop, static_argnames="n")(W, X, 2)
+    by_pos = jaxmem.optimize(_loop, static_argnames="n", donate_argnums=())(W, X, 2)
+    by_kw = jaxmem.optimize(_loop, static_argnums=2, donate_argnums=())(W, X, n=2)
+    assert compare(want, by_pos, 1e-5) == [] and compare(want, by_kw, 1e-5) == []
+
+
+def test_missing_static_argument_says_what_to_do():
+    with pytest.raises(jaxmem.TraceError, match="static_argnames") as e:
+        jaxmem.optimize(_loop, donate_argnums=())(W, X, n=2)
+    assert "_loop" in str(e.value)
