@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxmem import _jax, measure, strategies, targets
+from jaxmem import _jax, arguments, measure, strategies, targets
 from jaxmem.analysis import Analysis, from_program
 from jaxmem.budget import Pareto, plan_with_budget
 from jaxmem.budget.pareto import sweep
@@ -197,6 +197,7 @@ class Optimized:
         return static, tuple(args[i] for i in static)
 
     def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[_Entry, list, Any]:
+        arguments.check_no_nnx_nodes(args, kwargs, getattr(self.fn, "__name__", "fn"))
         static, static_vals = self._split(args)
         dyn_args = tuple(a for i, a in enumerate(args) if i not in static)
         static_kw = tuple(sorted((k, v) for k, v in kwargs.items() if k in self.static_argnames))
