@@ -63,6 +63,7 @@ class _Entry:
     donate_flat: tuple[int, ...]
     plain: Any  # jax.jit of the user's own step on flat inputs (same donation): the baseline
     compiled: Any = None
+    static_out: Any = None  # the step's static (non-array) outputs: arguments.partition
     # Executables compiled (the jaxmem way) for arguments the first one rejects: other
     # committed devices or shardings, keyed by _placement.
     placed: dict[Any, Any] = dataclasses.field(default_factory=dict)
@@ -147,7 +148,7 @@ class Optimized:
             # compile the same step for these arguments, the jaxmem way (never a plain jit
             # call: on CPU that would drop the barriers and with them the plan's recompute).
             outs = self._placed(entry, flat)(*flat)
-        return jax.tree_util.tree_unflatten(out_tree, outs)
+        return arguments.combine(jax.tree_util.tree_unflatten(out_tree, outs), entry.static_out)
 
     def _placed(self, entry: _Entry, flat: list[Any]) -> Callable[..., Any]:
         key = _placement(flat)
@@ -202,26 +203,31 @@ class Optimized:
         dyn_args = tuple(a for i, a in enumerate(args) if i not in static)
         static_kw = tuple(sorted((k, v) for k, v in kwargs.items() if k in self.static_argnames))
         kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
+        (dyn_args, kwargs), leaf_static = arguments.partition((dyn_args, kwargs))
         check_leaves(dyn_args, kwargs)
         flat, in_tree = jax.tree_util.tree_flatten((dyn_args, kwargs))
         try:
-            key = (in_tree, tuple(_leaf_key(x) for x in flat), static, static_vals, static_kw)
+            key = (in_tree, tuple(_leaf_key(x) for x in flat), static, static_vals, static_kw,
+                   leaf_static)
             hash(key)
         except TypeError as e:
             raise TypeError(f"static arguments must be hashable: {e}") from e
         entry = self._cache.get(key)
         if entry is None:
-            entry = self._build(args, static, dyn_args, kwargs, dict(static_kw))
+            entry = self._build(args, static, dyn_args, kwargs, dict(static_kw), leaf_static)
             self._cache[key] = entry
         out_tree = entry.analysis.program.out_tree
         return entry, flat, out_tree
 
     def _bound(self, args: tuple[Any, ...], static: tuple[int, ...],
-               static_kw: dict[str, Any]) -> Callable[..., Any]:
+               static_kw: dict[str, Any], leaf_static: Any = None) -> Callable[..., Any]:
         def call(*dyn: Any, **kw: Any) -> Any:
+            dyn, kw = arguments.combine((dyn, kw), leaf_static)
             it = iter(dyn)
             full = [args[i] if i in static else next(it) for i in range(len(args))]
-            return self.fn(*full, **kw, **static_kw)
+            out, call.static_out = arguments.partition(self.fn(*full, **kw, **static_kw),
+                                                       "output")
+            return out
         return call
 
     def _donated(self, dyn_args: tuple[Any, ...], analysis: Analysis) -> tuple[int, ...]:
@@ -250,8 +256,8 @@ class Optimized:
         return _normalise_argnums(self.donate_argnums, len(dyn_args))
 
     def _build(self, args: tuple[Any, ...], static: tuple[int, ...], dyn_args: tuple[Any, ...],
-               kwargs: dict[str, Any], static_kw: dict[str, Any]) -> _Entry:
-        fn = self._bound(args, static, static_kw)
+               kwargs: dict[str, Any], static_kw: dict[str, Any], leaf_static: Any) -> _Entry:
+        fn = self._bound(args, static, static_kw, leaf_static)
         program = self._trace(fn, dyn_args, kwargs)
         analysis = from_program(program)
         flat = jax.tree_util.tree_leaves((dyn_args, kwargs))
@@ -287,7 +293,7 @@ class Optimized:
         nothing = self.budget is not None and not (plan.recompute or plan.offload)
         jitted = plain if plan.strategy == "none" or nothing else jit_plan(plan)
         return _Entry(analysis=analysis, plan=plan, jitted=jitted, donate_flat=donate_flat,
-                      plain=plain, compiled=compiled)
+                      plain=plain, compiled=compiled, static_out=fn.static_out)
 
     def _trace(self, fn: Callable[..., Any], dyn_args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> Program:
