@@ -29,18 +29,25 @@ def is_nnx_node(x: Any) -> bool:
 
 
 def check_no_nnx_nodes(args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> None:
-    """Raise ``TypeError`` if an argument holds an nnx graph node: ``jaxmem.optimize`` would
-    trace its Variables' values and drop what the step writes into them."""
-    leaves = jax.tree_util.tree_flatten_with_path((tuple(args), kwargs), is_leaf=is_nnx_node)[0]
+    """Raise ``TypeError`` if an argument holds an nnx graph node or a bare Variable:
+    ``jaxmem.optimize`` would trace its values and drop what the step writes into them.
+
+    An ``nnx.State`` (from ``nnx.split``: the functional API, where the step returns the
+    new state) is an ordinary pytree and passes, Variables inside it included."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return
+    stop = lambda x: isinstance(x, nnx.State | nnx.Variable | nnx.Pytree)  # noqa: E731
+    leaves = jax.tree_util.tree_flatten_with_path((tuple(args), kwargs), is_leaf=stop)[0]
     for path, leaf in leaves:
         if is_nnx_node(leaf):
-            where = _where(path)
             raise TypeError(
-                f"jaxmem.optimize({name}): argument {where} is an nnx "
+                f"jaxmem.optimize({name}): argument {_where(path)} is an nnx "
                 f"{type(leaf).__name__}. jaxmem.optimize is a jax.jit: it would not write "
                 "the step's in-place updates (optimizer.update, BatchNorm statistics, RNG "
                 "counters) back into the module. Use jaxmem.flax.nnx.optimize(step), which "
-                "has nnx.jit's semantics, instead.")
+                "has nnx.jit's semantics, instead (or pass the nnx.split state and return "
+                "the new one).")
 
 
 def _where(path: tuple[Any, ...]) -> str:

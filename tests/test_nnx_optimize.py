@@ -152,3 +152,21 @@ def test_nnx_errors():
         jaxmem.flax.nnx.optimize(returns_model)(model, optimizer, X, Y)
     with pytest.raises(TypeError, match="does not take static_argnums"):
         jaxmem.flax.nnx.optimize(train_step, static_argnums=(2,))
+
+
+def test_plain_optimize_accepts_split_state():
+    """The functional API (nnx.split state in, new state out) is a plain pytree step."""
+    model = nnx.Sequential(nnx.Linear(32, 64, rngs=nnx.Rngs(0)), nnx.gelu,
+                           nnx.Linear(64, 4, rngs=nnx.Rngs(1)))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def step(params, rest, x, y):
+        def loss(p):
+            return jnp.mean((nnx.merge(graphdef, p, rest)(x) - y) ** 2)
+        val, g = jax.value_and_grad(loss)(params)
+        return jax.tree_util.tree_map(lambda a, b: a - 0.1 * b, params, g), val
+
+    new, loss = jaxmem.optimize(step, donate_argnums=(), verify=False)(params, rest, X, Y)
+    ref_new, ref_loss = jax.jit(step)(params, rest, X, Y)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert jax.tree_util.tree_structure(new) == jax.tree_util.tree_structure(ref_new)
