@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxmem import _jax, arguments, measure, strategies, targets
+from jaxmem import _jax, arguments, measure, plan_cache, strategies, targets
 from jaxmem.analysis import Analysis, from_program
 from jaxmem.budget import Pareto, plan_with_budget
 from jaxmem.budget.pareto import sweep
@@ -270,30 +270,66 @@ class Optimized:
             return jax.jit(apply(program, p), donate_argnums=donate_flat, **self.jit_kwargs)
 
         plain = self._plain(fn, jax.tree_util.tree_structure((dyn_args, kwargs)), donate_flat)
-        plan = dataclasses.replace(self._first_plan(analysis), donated=donated)
         planning = program.has_backward and self.strategy != "none"
-        if planning and self.budget is not None:
-            plan = plan_with_budget(
-                analysis, self.budget, auto=plan,
-                compile_plan=lambda p: _figures(jit_plan(p), flat),
-                compile_plain=lambda: _figures(plain, flat),
-                device_peak=lambda p, fig: device_peak(program, p, fig, platform),
-                offload=self.offload)
-            plan = dataclasses.replace(plan, donated=donated)
-        elif planning and (self.offload is True or offload_tagged(analysis)):
-            # No budget: values tagged with jaxmem.offload_name are offloaded; offload=True
-            # also offloads kept residuals whose round trip hides under compute.
-            plan = strategies.plan_offload(analysis, plan, offload=self.offload)
-            plan = dataclasses.replace(plan, donated=donated)
-        compiled = None
-        if (self.verify and self.budget is None and plan.recompute and not plan.offload):
-            plan, compiled = self._verified(plan, analysis, jit_plan, plain, dyn_args, kwargs)
+        key = plan_cache.fingerprint(program.jaxpr, (platform, _device_kind(flat)),
+                                     self._options(donate_flat)) if planning else None
+        cached = plan_cache.load(key) if key else None
+        if cached is not None:  # made before (this process, or the disk cache): no compiles
+            plan, compiled = dataclasses.replace(cached, donated=donated), None
+        else:
+            plan, compiled = self._make_plan(analysis, jit_plan, plain, dyn_args, kwargs,
+                                             donated, platform)
+            if key:
+                plan_cache.store(key, plan)
         # A budget the plain step already fits drops nothing: run the plain step itself (its
         # figures are the ones the budget was checked against).
         nothing = self.budget is not None and not (plan.recompute or plan.offload)
         jitted = plain if plan.strategy == "none" or nothing else jit_plan(plan)
         return _Entry(analysis=analysis, plan=plan, jitted=jitted, donate_flat=donate_flat,
                       plain=plain, compiled=compiled, static_out=fn.static_out)
+
+    def _options(self, donate_flat: tuple[int, ...]) -> tuple[Any, ...]:
+        """What changes the plan besides the program and target: the plan cache's key."""
+        return (self.budget, self.strategy, self.offload, self.max_recompute_fraction,
+                self.verify, self.remat_scans, donate_flat, sorted(self.jit_kwargs.items()))
+
+    def _make_plan(self, analysis: Analysis, jit_plan: Callable[[Plan], Any], plain: Any,
+                   dyn_args: tuple[Any, ...], kwargs: dict[str, Any], donated: tuple[int, ...],
+                   platform: str) -> tuple[Plan, Any]:
+        """Plan the step (compiling candidates on its target); the chosen plan's executable
+        when one was compiled on the way."""
+        program, flat = analysis.program, jax.tree_util.tree_leaves((dyn_args, kwargs))
+        compiled, exes = None, {}
+
+        def compile_plan(p: Plan) -> Figures:
+            jitted = jit_plan(p)
+            exe = exes[_rewrite_key(p)] = measure.compile(jitted.lower(*flat))
+            return _read(exe, jitted, flat)
+
+        def compile_plain() -> Figures:
+            exe = exes[None] = measure.compile(plain.lower(*flat))
+            return _read(exe, plain, flat)
+
+        plan = dataclasses.replace(self._first_plan(analysis), donated=donated)
+        planning = program.has_backward and self.strategy != "none"
+        if planning and self.budget is not None:
+            plan = plan_with_budget(
+                analysis, self.budget, auto=plan,
+                compile_plan=plan_cache.progress(compile_plan, "budget search"),
+                compile_plain=plan_cache.progress(compile_plain, "budget search"),
+                device_peak=lambda p, fig: device_peak(analysis.program, p, fig, platform),
+                offload=self.offload)
+            plan = dataclasses.replace(plan, donated=donated)
+            # the executable the search compiled for the chosen plan runs the first call
+            compiled = exes.get(_rewrite_key(plan) if plan.recompute or plan.offload else None)
+        elif planning and (self.offload is True or offload_tagged(analysis)):
+            # No budget: values tagged with jaxmem.offload_name are offloaded; offload=True
+            # also offloads kept residuals whose round trip hides under compute.
+            plan = strategies.plan_offload(analysis, plan, offload=self.offload)
+            plan = dataclasses.replace(plan, donated=donated)
+        if (self.verify and self.budget is None and plan.recompute and not plan.offload):
+            plan, compiled = self._verified(plan, analysis, jit_plan, plain, dyn_args, kwargs)
+        return plan, compiled
 
     def _trace(self, fn: Callable[..., Any], dyn_args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> Program:
@@ -352,16 +388,17 @@ class Optimized:
         the plain step is kept, with a warning and a note in the plan.
         """
         flat = jax.tree_util.tree_leaves((dyn_args, kwargs))
-        base_exe = measure.compile(plain.lower(*flat))
-        base = _read(base_exe, plain, flat)
         variants = [dataclasses.replace(p, donated=plan.donated) for p in
                     strategies.auto_candidates(
                         analysis, max_recompute_fraction=self.max_recompute_fraction)]
         variants = variants or [plan]
+        jitted_all = [plain] + [jit_plan(p) for p in variants]
+        # Lowering holds the GIL, XLA's compile does not: compile the candidates side by side.
+        exes = plan_cache.compile_all([j.lower(*flat) for j in jitted_all])
+        base_exe = exes[0]
+        base = _read(base_exe, plain, flat)
         best, best_fig, best_exe = None, None, None
-        for p in variants:
-            jitted = jit_plan(p)
-            exe = measure.compile(jitted.lower(*flat))
+        for p, jitted, exe in zip(variants, jitted_all[1:], exes[1:], strict=True):
             fig = _read(exe, jitted, flat)
             if best_fig is None or (fig.peak, fig.flops) < (best_fig.peak, best_fig.flops):
                 best, best_fig, best_exe = p, fig, exe
@@ -401,6 +438,16 @@ def _figures(jitted: Any, flat: Sequence[Any]) -> Figures:
 def _read(compiled: Any, jitted: Any, flat: Sequence[Any]) -> Figures:
     platform = targets.platform_of(flat) or jax.default_backend()
     return measure.compiled_figures(compiled, jitted, flat, platform=platform)
+
+
+def _rewrite_key(plan: Plan) -> Any:
+    """What the rewrite of ``plan`` depends on: plans equal in it compile to one program."""
+    return (plan.recompute, plan.offload, plan.region_depth, plan.keep)
+
+
+def _device_kind(flat: Sequence[Any]) -> str:
+    device = _device_of(flat) or jax.devices()[0]
+    return str(getattr(device, "device_kind", device.platform))
 
 
 def _device_of(flat: Sequence[Any]) -> Any:
