@@ -441,8 +441,10 @@ def _read(compiled: Any, jitted: Any, flat: Sequence[Any]) -> Figures:
 
 
 def _rewrite_key(plan: Plan) -> Any:
-    """What the rewrite of ``plan`` depends on: plans equal in it compile to one program."""
-    return (plan.recompute, plan.offload, plan.region_depth, plan.keep)
+    """What the rewrite of ``plan`` depends on (:func:`jaxmem.rewrite.apply`): plans equal in
+    it compile to one program."""
+    return (plan.recompute, plan.offload, plan.region_depth, plan.keep,
+            frozenset(c.residual.value for c in plan.choices))
 
 
 def _device_kind(flat: Sequence[Any]) -> str:
