@@ -23,3 +23,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         reason = KNOWN_DOCTEST_FAILURES.get(item.nodeid)
         if reason is not None:
             item.add_marker(pytest.mark.xfail(reason=reason, strict=True))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plan_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test plans from scratch: jaxmem's in-memory plan cache outlives an ``Optimized``
+    (tests that patch the planner would otherwise get another test's plan), and a
+    developer's JAXMEM_PLAN_CACHE_DIR is not the tests' business."""
+    from jaxmem import plan_cache
+
+    monkeypatch.delenv("JAXMEM_PLAN_CACHE_DIR", raising=False)
+    plan_cache.set_dir(None)
+    plan_cache.clear_memory()

@@ -40,6 +40,7 @@ SECTIONS: list[tuple[str, str, list[str] | None]] = [
     ("jaxmem.targets", "jaxmem.targets", None),
     ("jaxmem.substitutes", "jaxmem.substitutes", ["select_and_scatter_add", "substitute_for"]),
     ("jaxmem.managed_memory", "jaxmem.managed_memory", None),
+    ("jaxmem.plan_cache", "jaxmem.plan_cache", ["set_dir", "directory", "clear_memory"]),
     ("Command line (python -m jaxmem)", "jaxmem.__main__", ["main", "load_target"]),
 ]
 

@@ -12,9 +12,11 @@ Public entry points (see README.md and docs/):
 - :mod:`jaxmem.measure` — XLA's own compiled memory figures, measured the jaxmem way.
 - :mod:`jaxmem.targets` — compile for an H100, H200, A100 or TPU without one (deviceless).
 - :mod:`jaxmem.managed_memory` — CUDA Unified Memory for XLA's GPU client.
+- :mod:`jaxmem.plan_cache` — plans kept across calls, processes and hosts
+  (``JAXMEM_PLAN_CACHE_DIR``).
 """
 
-from jaxmem import managed_memory, measure, policies, primitives, program, targets
+from jaxmem import managed_memory, measure, plan_cache, policies, primitives, program, targets
 from jaxmem.analysis import Analysis, Residual, analyze
 from jaxmem.budget import Budget, BudgetError
 from jaxmem.chunked import chunked, chunked_cross_entropy
@@ -49,5 +51,5 @@ __all__ = [
     "Analysis", "Budget", "BudgetError", "Checkpointed", "Choice", "Decision", "DeviceProfile",
     "Optimized", "Plan", "Program", "Residual", "TraceError", "analyze", "checkpoint",
     "chunked", "chunked_cross_entropy", "flax", "managed_memory", "measure", "offload_name",
-    "optimize", "pareto", "policies", "primitives", "program", "targets", "trace",
+    "optimize", "pareto", "plan_cache", "policies", "primitives", "program", "targets", "trace",
 ]

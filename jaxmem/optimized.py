@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxmem import _jax, measure, strategies, targets
+from jaxmem import _jax, arguments, measure, plan_cache, strategies, targets
 from jaxmem.analysis import Analysis, from_program
 from jaxmem.budget import BudgetError, Pareto, parse_budget, plan_with_budget, resolve_budget
 from jaxmem.budget.pareto import sweep
@@ -64,6 +64,7 @@ class _Entry:
     donate_flat: tuple[int, ...]
     plain: Any  # jax.jit of the user's own step on flat inputs (same donation): the baseline
     compiled: Any = None
+    static_out: Any = None  # the step's static (non-array) outputs: arguments.partition
     # Executables compiled (the jaxmem way) for arguments the first one rejects: other
     # committed devices or shardings, keyed by _placement.
     placed: dict[Any, Any] = dataclasses.field(default_factory=dict)
@@ -157,7 +158,7 @@ class Optimized:
             # compile the same step for these arguments, the jaxmem way (never a plain jit
             # call: on CPU that would drop the barriers and with them the plan's recompute).
             outs = self._placed(entry, flat)(*flat)
-        return jax.tree_util.tree_unflatten(out_tree, outs)
+        return arguments.combine(jax.tree_util.tree_unflatten(out_tree, outs), entry.static_out)
 
     def _placed(self, entry: _Entry, flat: list[Any]) -> Callable[..., Any]:
         key = _placement(flat)
@@ -221,30 +222,36 @@ class Optimized:
         return static, tuple(args[i] for i in static), frozenset(self.static_argnames) | by_kw
 
     def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[_Entry, list, Any]:
+        arguments.check_no_nnx_nodes(args, kwargs, getattr(self.fn, "__name__", "fn"))
         static, static_vals, static_names = self._split(args, kwargs)
         dyn_args = tuple(a for i, a in enumerate(args) if i not in static)
         static_kw = tuple(sorted((k, v) for k, v in kwargs.items() if k in static_names))
         kwargs = {k: v for k, v in kwargs.items() if k not in static_names}
+        (dyn_args, kwargs), leaf_static = arguments.partition((dyn_args, kwargs))
         check_leaves(dyn_args, kwargs)
         flat, in_tree = jax.tree_util.tree_flatten((dyn_args, kwargs))
         try:
-            key = (in_tree, tuple(_leaf_key(x) for x in flat), static, static_vals, static_kw)
+            key = (in_tree, tuple(_leaf_key(x) for x in flat), static, static_vals, static_kw,
+                   leaf_static)
             hash(key)
         except TypeError as e:
             raise TypeError(f"static arguments must be hashable: {e}") from e
         entry = self._cache.get(key)
         if entry is None:
-            entry = self._build(args, static, dyn_args, kwargs, dict(static_kw))
+            entry = self._build(args, static, dyn_args, kwargs, dict(static_kw), leaf_static)
             self._cache[key] = entry
         out_tree = entry.analysis.program.out_tree
         return entry, flat, out_tree
 
     def _bound(self, args: tuple[Any, ...], static: tuple[int, ...],
-               static_kw: dict[str, Any]) -> Callable[..., Any]:
+               static_kw: dict[str, Any], leaf_static: Any = None) -> Callable[..., Any]:
         def call(*dyn: Any, **kw: Any) -> Any:
+            dyn, kw = arguments.combine((dyn, kw), leaf_static)
             it = iter(dyn)
             full = [args[i] if i in static else next(it) for i in range(len(args))]
-            return self.fn(*full, **kw, **static_kw)
+            out, call.static_out = arguments.partition(self.fn(*full, **kw, **static_kw),
+                                                       "output")
+            return out
         call.__name__ = getattr(self.fn, "__name__", "fn")  # named in trace errors
         return call
 
@@ -274,8 +281,8 @@ class Optimized:
         return _normalise_argnums(self.donate_argnums, len(dyn_args))
 
     def _build(self, args: tuple[Any, ...], static: tuple[int, ...], dyn_args: tuple[Any, ...],
-               kwargs: dict[str, Any], static_kw: dict[str, Any]) -> _Entry:
-        fn = self._bound(args, static, static_kw)
+               kwargs: dict[str, Any], static_kw: dict[str, Any], leaf_static: Any) -> _Entry:
+        fn = self._bound(args, static, static_kw, leaf_static)
         program = self._trace(fn, dyn_args, kwargs)
         analysis = from_program(program)
         flat = jax.tree_util.tree_leaves((dyn_args, kwargs))
@@ -288,22 +295,63 @@ class Optimized:
             return jax.jit(apply(program, p), donate_argnums=donate_flat, **self.jit_kwargs)
 
         plain = self._plain(fn, jax.tree_util.tree_structure((dyn_args, kwargs)), donate_flat)
+        planning = program.has_backward and self.strategy != "none"
+        key = plan_cache.fingerprint(program.jaxpr, (platform, _device_kind(flat)),
+                                     self._options(donate_flat)) if planning else None
+        cached = plan_cache.load(key) if key else None
+        if cached is not None:  # made before (this process, or the disk cache): no compiles
+            plan, compiled = dataclasses.replace(cached, donated=donated), None
+        else:
+            plan, compiled = self._make_plan(analysis, jit_plan, plain, dyn_args, kwargs,
+                                             donated, platform)
+            if key:
+                plan_cache.store(key, plan)
+        # A budget the plain step already fits drops nothing: run the plain step itself (its
+        # figures are the ones the budget was checked against).
+        nothing = self.budget is not None and not (plan.recompute or plan.offload)
+        jitted = plain if plan.strategy == "none" or nothing else jit_plan(plan)
+        return _Entry(analysis=analysis, plan=plan, jitted=jitted, donate_flat=donate_flat,
+                      plain=plain, compiled=compiled, static_out=fn.static_out)
+
+    def _options(self, donate_flat: tuple[int, ...]) -> tuple[Any, ...]:
+        """What changes the plan besides the program and target: the plan cache's key."""
+        return (self.budget, self.strategy, self.offload, self.max_recompute_fraction,
+                self.verify, self.remat_scans, donate_flat, sorted(self.jit_kwargs.items()))
+
+    def _make_plan(self, analysis: Analysis, jit_plan: Callable[[Plan], Any], plain: Any,
+                   dyn_args: tuple[Any, ...], kwargs: dict[str, Any], donated: tuple[int, ...],
+                   platform: str) -> tuple[Plan, Any]:
+        """Plan the step (compiling candidates on its target); the chosen plan's executable
+        when one was compiled on the way."""
+        program, flat = analysis.program, jax.tree_util.tree_leaves((dyn_args, kwargs))
+        compiled, exes = None, {}
+
+        def compile_plan(p: Plan) -> Figures:
+            jitted = jit_plan(p)
+            exe = exes[_rewrite_key(p)] = measure.compile(jitted.lower(*flat))
+            return _read(exe, jitted, flat)
+
+        def compile_plain() -> Figures:
+            exe = exes[None] = measure.compile(plain.lower(*flat))
+            return _read(exe, plain, flat)
+
         plan = dataclasses.replace(self._first_plan(analysis), donated=donated)
         planning = program.has_backward and self.strategy != "none"
         if planning and self.budget is not None:
             plan = plan_with_budget(
                 analysis, self.budget, auto=plan,
-                compile_plan=lambda p: _figures(jit_plan(p), flat),
-                compile_plain=lambda: _figures(plain, flat),
-                device_peak=lambda p, fig: device_peak(program, p, fig, platform),
+                compile_plan=plan_cache.progress(compile_plan, "budget search"),
+                compile_plain=plan_cache.progress(compile_plain, "budget search"),
+                device_peak=lambda p, fig: device_peak(analysis.program, p, fig, platform),
                 offload=self.offload)
             plan = dataclasses.replace(plan, donated=donated)
+            # the executable the search compiled for the chosen plan runs the first call
+            compiled = exes.get(_rewrite_key(plan) if plan.recompute or plan.offload else None)
         elif planning and (self.offload is True or offload_tagged(analysis)):
             # No budget: values tagged with jaxmem.offload_name are offloaded; offload=True
             # also offloads kept residuals whose round trip hides under compute.
             plan = strategies.plan_offload(analysis, plan, offload=self.offload)
             plan = dataclasses.replace(plan, donated=donated)
-        compiled = None
         if self.budget is not None and not planning:
             plan, compiled = self._unplanned_budget(plan, analysis, plain, flat)
         if (self.verify and self.budget is None and plan.recompute and not plan.offload):
@@ -311,12 +359,7 @@ class Optimized:
         elif self.verify and self.budget is None and plan.offload:
             plan, compiled = self._verified_offload(plan, analysis, jit_plan, plain, flat,
                                                     platform)
-        # A budget the plain step already fits drops nothing: run the plain step itself (its
-        # figures are the ones the budget was checked against).
-        nothing = self.budget is not None and not (plan.recompute or plan.offload)
-        jitted = plain if plan.strategy == "none" or nothing else jit_plan(plan)
-        return _Entry(analysis=analysis, plan=plan, jitted=jitted, donate_flat=donate_flat,
-                      plain=plain, compiled=compiled)
+        return plan, compiled
 
     def _trace(self, fn: Callable[..., Any], dyn_args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> Program:
@@ -394,16 +437,17 @@ class Optimized:
         the plain step is kept, with a warning and a note in the plan.
         """
         flat = jax.tree_util.tree_leaves((dyn_args, kwargs))
-        base_exe = measure.compile(plain.lower(*flat))
-        base = _read(base_exe, plain, flat)
         variants = [dataclasses.replace(p, donated=plan.donated) for p in
                     strategies.auto_candidates(
                         analysis, max_recompute_fraction=self.max_recompute_fraction)]
         variants = variants or [plan]
+        jitted_all = [plain] + [jit_plan(p) for p in variants]
+        # Lowering holds the GIL, XLA's compile does not: compile the candidates side by side.
+        exes = plan_cache.compile_all([j.lower(*flat) for j in jitted_all])
+        base_exe = exes[0]
+        base = _read(base_exe, plain, flat)
         best, best_fig, best_exe = None, None, None
-        for p in variants:
-            jitted = jit_plan(p)
-            exe = measure.compile(jitted.lower(*flat))
+        for p, jitted, exe in zip(variants, jitted_all[1:], exes[1:], strict=True):
             fig = _read(exe, jitted, flat)
             if best_fig is None or (fig.peak, fig.flops) < (best_fig.peak, best_fig.flops):
                 best, best_fig, best_exe = p, fig, exe
@@ -514,6 +558,18 @@ def _why_unplanned(fn: Any, analysis: Analysis) -> str:
                 "memory there, wrap the loss inside the body in jaxmem.checkpoint)")
     return (f"{name} has no backward pass (no jax.grad inside, or no parameter reaches the "
             "loss)")
+
+
+def _rewrite_key(plan: Plan) -> Any:
+    """What the rewrite of ``plan`` depends on (:func:`jaxmem.rewrite.apply`): plans equal in
+    it compile to one program."""
+    return (plan.recompute, plan.offload, plan.region_depth, plan.keep,
+            frozenset(c.residual.value for c in plan.choices))
+
+
+def _device_kind(flat: Sequence[Any]) -> str:
+    device = _device_of(flat) or jax.devices()[0]
+    return str(getattr(device, "device_kind", device.platform))
 
 
 def _device_of(flat: Sequence[Any]) -> Any:

@@ -1,0 +1,88 @@
+"""The plan cache: a second optimize of the same step plans without compiling."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxmem
+from jaxmem import measure, plan_cache
+
+
+def step(ws, x):
+    def loss(ws):
+        h = x
+        for w in ws:
+            h = h + jnp.tanh(jax.nn.gelu(h @ w) * 1.5)
+        return jnp.mean(h ** 2)
+    val, g = jax.value_and_grad(loss)(ws)
+    return [w - 0.1 * d for w, d in zip(ws, g, strict=True)], val
+
+
+WS = [jnp.full((32, 32), 0.02 * (i + 1)) for i in range(3)]
+X = jax.random.normal(jax.random.key(0), (256, 32))
+
+
+@pytest.fixture
+def compiles(monkeypatch):
+    calls = []
+    real = measure.compile
+
+    def counting(lowered, options=None):
+        calls.append(lowered)
+        return real(lowered, options)
+    monkeypatch.setattr(measure, "compile", counting)
+    return calls
+
+
+@pytest.mark.parametrize("budget", [None, 0.9])
+def test_disk_cache_hit_skips_planning_compiles(tmp_path, compiles, budget):
+    plan_cache.set_dir(tmp_path)
+    first = jaxmem.optimize(step, donate_argnums=(), budget=budget)
+    out1 = first(WS, X)
+    cold = len(compiles)
+    assert cold >= 2  # planning compiled candidates (and reused one to run)
+    assert list(tmp_path.glob("*.plan"))
+    plan1 = first.plan(WS, X)
+
+    plan_cache.clear_memory()  # a new process: only the disk cache is left
+    compiles.clear()
+    second = jaxmem.optimize(step, donate_argnums=(), budget=budget)
+    out2 = second(WS, X)
+    assert len(compiles) == 1  # the step itself, for the cached plan: no planning compile
+    plan2 = second.plan(WS, X)
+    assert plan2.recompute == plan1.recompute and plan2.strategy == plan1.strategy
+    for a, b in zip(jax.tree_util.tree_leaves(out1), jax.tree_util.tree_leaves(out2),
+                    strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(out2[1], jax.jit(step)(WS, X)[1], rtol=1e-6)
+
+
+def test_changed_option_misses_and_memory_cache(compiles):
+    jaxmem.optimize(step, donate_argnums=())(WS, X)
+    compiles.clear()
+    jaxmem.optimize(step, donate_argnums=())(WS, X)  # in memory, no directory set
+    assert len(compiles) == 1
+    compiles.clear()
+    jaxmem.optimize(step, donate_argnums=(), max_recompute_fraction=0.2)(WS, X)
+    assert len(compiles) > 1  # another option: planned again
+
+
+def test_verify_reuses_the_winning_executable(compiles):
+    fast = jaxmem.optimize(step, donate_argnums=())
+    fast(WS, X)
+    n = len(compiles)
+    fast(WS, X)
+    fast.plan(WS, X)
+    assert len(compiles) == n  # no compile after planning: the winner ran the first call
+
+
+def test_progress_is_logged(caplog):
+    with caplog.at_level(logging.INFO, logger="jaxmem"):
+        run = plan_cache.progress(lambda: None, "budget search", after_s=-1.0)
+        run()
+    assert "budget search: compile 1" in caplog.text
