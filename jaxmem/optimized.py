@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxmem import _jax, measure, strategies, targets
+from jaxmem import _jax, measure, state_offload, strategies, targets
 from jaxmem.analysis import Analysis, from_program
 from jaxmem.budget import Pareto, plan_with_budget
 from jaxmem.budget.pareto import sweep
@@ -66,6 +66,7 @@ class _Entry:
     # Executables compiled (the jaxmem way) for arguments the first one rejects: other
     # committed devices or shardings, keyed by _placement.
     placed: dict[Any, Any] = dataclasses.field(default_factory=dict)
+    host_state: tuple[int, ...] = ()  # flat argument positions kept in pinned_host memory
 
 
 def _placement(flat: Sequence[Any]) -> Any:
@@ -102,7 +103,11 @@ class Optimized:
                  static_argnames: str | Sequence[str] | None = None,
                  donate_argnums: int | Sequence[int] | str | None = "auto",
                  max_recompute_fraction: float = 0.05, verify: bool = True,
-                 remat_scans: bool = True, **jit_kwargs: Any) -> None:
+                 remat_scans: bool = True, offload_state: Any = False,
+                 **jit_kwargs: Any) -> None:
+        if not (callable(offload_state) or offload_state in state_offload.MODES):
+            raise ValueError(f"offload_state must be True, False, 'opt' or a predicate "
+                             f"(path, leaf) -> bool, got {offload_state!r}")
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         if offload not in (False, True, "auto"):
@@ -122,6 +127,7 @@ class Optimized:
         self.max_recompute_fraction = max_recompute_fraction
         self.verify = verify
         self.remat_scans = remat_scans
+        self.offload_state = offload_state
         self.jit_kwargs = jit_kwargs
         self._cache: dict[Any, _Entry] = {}
         self._warned_no_backward = False
@@ -203,8 +209,11 @@ class Optimized:
         kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
         check_leaves(dyn_args, kwargs)
         flat, in_tree = jax.tree_util.tree_flatten((dyn_args, kwargs))
+        if self.offload_state:  # traced, keyed and compared on the device, streamed from host
+            dyn_args, kwargs = jax.tree.map(state_offload.device_view, (dyn_args, kwargs))
         try:
-            key = (in_tree, tuple(_leaf_key(x) for x in flat), static, static_vals, static_kw)
+            leaves = jax.tree_util.tree_leaves((dyn_args, kwargs))
+            key = (in_tree, tuple(_leaf_key(x) for x in leaves), static, static_vals, static_kw)
             hash(key)
         except TypeError as e:
             raise TypeError(f"static arguments must be hashable: {e}") from e
@@ -213,6 +222,8 @@ class Optimized:
             entry = self._build(args, static, dyn_args, kwargs, dict(static_kw))
             self._cache[key] = entry
         out_tree = entry.analysis.program.out_tree
+        if entry.host_state:
+            flat = state_offload.place(flat, entry.host_state)
         return entry, flat, out_tree
 
     def _bound(self, args: tuple[Any, ...], static: tuple[int, ...],
@@ -285,8 +296,17 @@ class Optimized:
         # figures are the ones the budget was checked against).
         nothing = self.budget is not None and not (plan.recompute or plan.offload)
         jitted = plain if plan.strategy == "none" or nothing else jit_plan(plan)
+        host_state: tuple[int, ...] = ()
+        if self.offload_state:
+            jitted, info = state_offload.wrap(jitted, program, (dyn_args, kwargs), flat,
+                                              donate_flat, self.offload_state,
+                                              _device_of(flat), self.jit_kwargs)
+            if info is not None:
+                host_state, compiled = info.inputs, None
+                plan = dataclasses.replace(plan, state_offload=info, compiled=None,
+                                           notes=plan.notes + (info.describe(_profile_of(flat)),))
         return _Entry(analysis=analysis, plan=plan, jitted=jitted, donate_flat=donate_flat,
-                      plain=plain, compiled=compiled)
+                      plain=plain, compiled=compiled, host_state=host_state)
 
     def _trace(self, fn: Callable[..., Any], dyn_args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> Program:
@@ -376,7 +396,7 @@ class Optimized:
 
     def _baseline(self, entry: _Entry, flat: list[Any]) -> Figures:
         """Plain ``jax.jit`` of the user's step, compiled the same way (same donation)."""
-        return _figures(entry.plain, flat)
+        return _figures(entry.plain, [state_offload.device_view(x) for x in flat])
 
     def _plain(self, fn: Callable[..., Any], in_tree: Any, donate_flat: tuple[int, ...]) -> Any:
         def flat_fn(*leaves: Any) -> Any:
@@ -394,6 +414,14 @@ def _figures(jitted: Any, flat: Sequence[Any]) -> Figures:
 def _read(compiled: Any, jitted: Any, flat: Sequence[Any]) -> Figures:
     platform = targets.platform_of(flat) or jax.default_backend()
     return measure.compiled_figures(compiled, jitted, flat, platform=platform)
+
+
+def _profile_of(flat: Sequence[Any]) -> str:
+    """The device profile preset of the arguments' target (``"cpu"`` where unknown)."""
+    try:
+        return targets.of(flat).profile
+    except Exception:  # noqa: BLE001 - a label for a note: never fail the step over it
+        return "cpu"
 
 
 def _device_of(flat: Sequence[Any]) -> Any:
@@ -490,7 +518,7 @@ def optimize(fn: Callable[..., Any] | None = None, *, budget: Any = None,
              static_argnames: str | Sequence[str] | None = None,
              donate_argnums: int | Sequence[int] | str | None = "auto",
              max_recompute_fraction: float = 0.05, verify: bool = True,
-             remat_scans: bool = True, **jit_kwargs: Any) -> Any:
+             remat_scans: bool = True, offload_state: Any = False, **jit_kwargs: Any) -> Any:
     """Jit a train step so that it needs less accelerator memory, with the same results.
 
     jaxmem traces the step (which calls ``jax.grad``/``value_and_grad`` and an optimizer
@@ -516,6 +544,10 @@ def optimize(fn: Callable[..., Any] | None = None, *, budget: Any = None,
       remat_scans: run the bodies of ``lax.scan`` (``nn.scan``/``nnx.scan`` stacks) under
         ``jax.checkpoint(policy=jaxmem.policies.utility)`` while tracing, so layers inside a
         scan save only their heavy outputs too (the joint rewrite keeps a scan whole).
+      offload_state: keep the optimizer state (adam's moments) in ``pinned_host`` memory
+        between steps and stream it through the update one layer at a time
+        (:mod:`jaxmem.state_offload`, docs/state_offload.md). ``True``/``"opt"``: the
+        floating leaves only the update reads; or a predicate ``(path, leaf) -> bool``.
       **jit_kwargs: ``keep_unused`` / ``inline``, passed to ``jax.jit``.
 
     Returns:
@@ -533,7 +565,7 @@ def optimize(fn: Callable[..., Any] | None = None, *, budget: Any = None,
     kw = dict(budget=budget, strategy=strategy, offload=offload, static_argnums=static_argnums,
               static_argnames=static_argnames, donate_argnums=donate_argnums,
               max_recompute_fraction=max_recompute_fraction, verify=verify,
-              remat_scans=remat_scans, **jit_kwargs)
+              remat_scans=remat_scans, offload_state=offload_state, **jit_kwargs)
     if fn is None:
         return lambda f: Optimized(f, **kw)
     if not callable(fn):
