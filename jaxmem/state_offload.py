@@ -46,6 +46,10 @@ MODES = (True, False, "opt")
 #: group reads them, so offloading them would merge all groups into one.
 MIN_BYTES = 1024
 
+#: Groups in flight: group ``k`` is fetched once group ``k - WINDOW`` is written back. 2: one
+#: group updated while the next one arrives (prefetch); 1: one group at a time.
+WINDOW = 2
+
 Predicate = Callable[[tuple[Any, ...], Any], bool]
 
 
@@ -256,12 +260,13 @@ def _absorb_feeders(program: Program, nodes: list[int], taken: dict[int, int],
 
 
 def stream(fn: Callable[..., list[Any]], avals: Sequence[Any], inputs: Sequence[int],
-           outputs: Sequence[int], window: int = 2) -> tuple[Callable[..., list[Any]], int, int]:
+           outputs: Sequence[int], window: int | None = None) -> tuple[Callable[..., list[Any]], int, int]:
     """``fn`` (flat inputs -> flat outputs) with the state at ``inputs`` read from host
     memory and its new values (``outputs``) written back there, streamed group by group.
 
     Returns ``(new_fn, groups, largest_group_bytes)``.
     """
+    window = WINDOW if window is None else max(1, int(window))
     avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
     program = from_jaxpr(jax.make_jaxpr(fn)(*avals))
     state = frozenset(program.inputs[i] for i in inputs)
