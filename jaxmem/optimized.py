@@ -276,13 +276,21 @@ class Optimized:
         plain = self._plain(fn, jax.tree_util.tree_structure((dyn_args, kwargs)), donate_flat)
         plan = dataclasses.replace(self._first_plan(analysis), donated=donated)
         planning = program.has_backward and self.strategy != "none"
+        # "auto": only where a budget needs it (state_offload.with_budget decides)
+        stream_state = self.offload_state is not False and self.offload_state != "auto"
         if planning and self.budget is not None:
-            plan = plan_with_budget(
-                analysis, self.budget, auto=plan,
-                compile_plan=lambda p: _figures(jit_plan(p), flat),
-                compile_plain=lambda: _figures(plain, flat),
-                device_peak=lambda p, fig: device_peak(program, p, fig, platform),
-                offload=self.offload)
+            auto = plan
+            plan, stream_state = state_offload.with_budget(
+                lambda b: plan_with_budget(
+                    analysis, b, auto=auto,
+                    compile_plan=lambda p: _figures(jit_plan(p), flat),
+                    compile_plain=lambda: _figures(plain, flat),
+                    device_peak=lambda p, fig: device_peak(program, p, fig, platform),
+                    offload=self.offload),
+                self.budget, self.offload_state,
+                self.offload_state and state_offload.preview(
+                    program, (dyn_args, kwargs), self.offload_state, flat),
+                lambda: _figures(plain, flat).peak, _profile_of(flat))
             plan = dataclasses.replace(plan, donated=donated)
         elif planning and (self.offload is True or offload_tagged(analysis)):
             # No budget: values tagged with jaxmem.offload_name are offloaded; offload=True
@@ -297,7 +305,7 @@ class Optimized:
         nothing = self.budget is not None and not (plan.recompute or plan.offload)
         jitted = plain if plan.strategy == "none" or nothing else jit_plan(plan)
         host_state: tuple[int, ...] = ()
-        if self.offload_state:
+        if stream_state:
             jitted, info = state_offload.wrap(jitted, program, (dyn_args, kwargs), flat,
                                               donate_flat, self.offload_state,
                                               _device_of(flat), self.jit_kwargs)
@@ -547,7 +555,9 @@ def optimize(fn: Callable[..., Any] | None = None, *, budget: Any = None,
       offload_state: keep the optimizer state (adam's moments) in ``pinned_host`` memory
         between steps and stream it through the update one layer at a time
         (:mod:`jaxmem.state_offload`, docs/state_offload.md). ``True``/``"opt"``: the
-        floating leaves only the update reads; or a predicate ``(path, leaf) -> bool``.
+        floating leaves only the update reads; or a predicate ``(path, leaf) -> bool``;
+        ``"auto"``: only where a ``budget`` is not met otherwise (the planner weighs the
+        state's transfer time against recompute and residual offload).
       **jit_kwargs: ``keep_unused`` / ``inline``, passed to ``jax.jit``.
 
     Returns:

@@ -40,7 +40,7 @@ from jaxmem.program import Program, from_jaxpr
 
 __all__ = ["StateOffload", "select", "stream", "to_host", "MODES"]
 
-MODES = (True, False, "opt")
+MODES = (True, False, "opt", "auto")
 
 #: Leaves smaller than this stay on the device (adam's count, schedules' scalars): every
 #: group reads them, so offloading them would merge all groups into one.
@@ -117,10 +117,11 @@ def select(program: Program, args: Any, outs: Any, mode: bool | str | Predicate
         backward passes read).
       args: the step's ``(dyn_args, kwargs)``, as traced.
       outs: the step's output pytree (shapes suffice), to pair each leaf with its new value.
-      mode: ``True`` / ``"opt"``: floating leaves of at least :data:`MIN_BYTES` that only
-        the optimizer update reads (neither the forward nor the backward pass does): the
-        optimizer state. A callable ``mode(path, leaf) -> bool`` picks leaves by pytree path
-        instead (it must still pick only leaves the forward and backward do not read).
+      mode: ``True`` / ``"opt"`` / ``"auto"``: floating leaves of at least
+        :data:`MIN_BYTES` that only the optimizer update reads (neither the forward nor the
+        backward pass does): the optimizer state. A callable ``mode(path, leaf) -> bool``
+        picks leaves by pytree path instead (only leaves the forward and backward do not
+        read).
 
     Returns:
       ``(inputs, outputs, names)``; an input whose new value cannot be found among the
@@ -260,7 +261,8 @@ def _absorb_feeders(program: Program, nodes: list[int], taken: dict[int, int],
 
 
 def stream(fn: Callable[..., list[Any]], avals: Sequence[Any], inputs: Sequence[int],
-           outputs: Sequence[int], window: int | None = None) -> tuple[Callable[..., list[Any]], int, int]:
+           outputs: Sequence[int], window: int | None = None
+           ) -> tuple[Callable[..., list[Any]], int, int]:
     """``fn`` (flat inputs -> flat outputs) with the state at ``inputs`` read from host
     memory and its new values (``outputs``) written back there, streamed group by group.
 
@@ -406,3 +408,59 @@ def wrap(jitted: Any, program: Program, args: Any, flat: Sequence[Any],
     nbytes = sum(_nbytes(flat[i]) for i in inputs)
     info = StateOffload(inputs, outputs, names, nbytes, largest, groups)
     return jax.jit(fn, donate_argnums=tuple(donate_flat), **jit_kwargs), info
+
+
+def preview(program: Program, args: Any, mode: bool | str | Predicate,
+            flat: Sequence[Any]) -> StateOffload | None:
+    """What offloading the state would move, from the step's own program (before any
+    rewrite): the :class:`StateOffload` :func:`wrap` would carry out, or None."""
+    vals = [program.values[v] for v in program.outputs]
+    outs = jax.tree_util.tree_unflatten(program.out_tree, [
+        jax.ShapeDtypeStruct(v.shape, v.aval.dtype if v.aval is not None else v.dtype)
+        for v in vals])
+    inputs, outputs, names = select(program, args, outs, mode)
+    if not inputs:
+        return None
+    state = frozenset(program.inputs[i] for i in inputs)
+    groups = _groups(program, state, frozenset(program.outputs[j] for j in outputs))
+    largest = max((sum(program.values[s].nbytes for s in g.inputs) for g in groups), default=0)
+    return StateOffload(inputs, outputs, names, sum(_nbytes(flat[i]) for i in inputs),
+                        largest, len(groups))
+
+
+def with_budget(search: Callable[[Any], Any], budget: Any, mode: bool | str | Predicate,
+                info: StateOffload | None, plain_peak: Callable[[], int],
+                profile: Any = "h100") -> tuple[Any, bool]:
+    """The budget search, weighing the state's offload against residual recompute/offload.
+
+    ``search(budget) -> Plan`` is the residual planner (:func:`jaxmem.plan_with_budget`).
+    With ``mode="auto"`` the state stays on the device when the residual plan alone meets
+    the budget (moving it costs :meth:`StateOffload.transfer_time` every step, recompute
+    and residual offload are already priced by the planner); otherwise, and always with
+    ``mode=True``, the state goes to host memory and the residuals are planned against the
+    budget plus the device bytes that frees (the state less the groups in flight).
+
+    Returns ``(plan, offload the state?)``; the plan's notes say what moves and its cost.
+    """
+    from jaxmem.budget.units import BudgetError, resolve_budget
+    if not mode or info is None:
+        return search(budget), False
+    freed = max(info.nbytes - WINDOW * info.largest_group, 0)
+    cost = f"{1e3 * info.transfer_time(profile):.1f} ms/step over the host link ({profile})"
+    if mode == "auto":
+        try:
+            plan = search(budget)
+        except BudgetError as e:
+            why = f"residuals alone reach {fmt_bytes(e.minimum_bytes)}"
+        else:
+            note = (f"optimizer state kept on the device: the budget is met without moving "
+                    f"its {fmt_bytes(info.nbytes)} (offloading it would cost {cost})")
+            return dataclasses.replace(plan, notes=plan.notes + (note,)), False
+    else:
+        why = "offload_state=True"
+    b = resolve_budget(budget, plain_peak())
+    plan = search(b + freed)
+    note = (f"budget {fmt_bytes(b)} ({why}): optimizer state to host memory frees "
+            f"{fmt_bytes(freed)} for {cost}; residuals planned against "
+            f"{fmt_bytes(b + freed)}")
+    return dataclasses.replace(plan, budget=b, notes=plan.notes + (note,)), True

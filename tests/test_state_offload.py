@@ -108,3 +108,18 @@ def test_a_predicate_may_not_pick_what_the_forward_pass_reads():
         jaxmem.optimize(w.step, offload_state=pick, strategy="none").analysis(w.state, w.batch)
     with pytest.raises(ValueError, match="offload_state must be"):
         jaxmem.optimize(w.step, offload_state="everything")
+
+
+def test_the_budget_planner_moves_the_state_only_where_the_budget_needs_it(h100_step):
+    """offload_state="auto" under a budget: a budget the residual plan meets keeps the state
+    on the device; one below what residuals alone reach moves it, and the plan says what
+    moves and what it costs per step."""
+    step, args, _, plan = h100_step
+    plain, state = plan.baseline.peak, plan.state_offload.nbytes
+    loose = jaxmem.optimize(step, budget=plain, offload_state="auto").plan(*args)
+    assert loose.state_offload is None
+    assert any("kept on the device" in n for n in loose.notes)
+    budget = plain - state // 2
+    tight = jaxmem.optimize(step, budget=budget, offload_state="auto").plan(*args)
+    assert tight.state_offload is not None and tight.compiled.peak <= budget
+    assert any("ms/step over the host link" in n for n in tight.notes)
