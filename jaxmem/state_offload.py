@@ -22,7 +22,20 @@ How the order is enforced (XLA schedules by data flow alone):
 
 On CPU, XLA strips host placement: the program runs the same equations (results are
 identical) but the compiled figures do not show the saving; compile for a GPU target
-(``jaxmem.targets.get("h100")``) to measure it.
+(``jaxmem.targets.get("h100")``) to measure it. See docs/state_offload.md.
+
+Example:
+  >>> import jax, jax.numpy as jnp, optax, jaxmem
+  >>> tx = optax.adam(1e-3)
+  >>> def step(w, opt_state, x):
+  ...     g = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+  ...     updates, opt_state = tx.update(g, opt_state)
+  ...     return optax.apply_updates(w, updates), opt_state
+  >>> w = jnp.ones((32, 32))
+  >>> fast = jaxmem.optimize(step, offload_state=True, strategy="none")
+  >>> w, opt_state = fast(w, tx.init(w), jnp.ones((4, 32)))
+  >>> opt_state[0].mu.sharding.memory_kind
+  'pinned_host'
 """
 
 from __future__ import annotations
@@ -38,7 +51,8 @@ from jaxmem import _jax
 from jaxmem.measure import fmt_bytes
 from jaxmem.program import Program, from_jaxpr
 
-__all__ = ["StateOffload", "select", "stream", "to_host", "MODES"]
+__all__ = ["StateOffload", "place", "preview", "select", "stream", "to_host", "with_budget",
+           "wrap"]
 
 MODES = (True, False, "opt", "auto")
 
