@@ -290,6 +290,7 @@ def stream(fn: Callable[..., list[Any]], avals: Sequence[Any], inputs: Sequence[
     groups = _groups(program, state, frozenset(written))
     in_group = {i for g in groups for i in g.nodes}
     largest = max((sum(program.values[s].nbytes for s in g.inputs) for g in groups), default=0)
+    last = _last_gradient(program, groups)
 
     def run(*flat: Any) -> list[Any]:
         env: dict[int, Any] = dict(zip(program.inputs, flat, strict=True))
@@ -306,6 +307,8 @@ def stream(fn: Callable[..., list[Any]], avals: Sequence[Any], inputs: Sequence[
             tie = [env[v] for v in _external(program, g) if v in env]
             if k >= window:
                 tie += done[k - window]
+            elif last is not None and last in env:
+                tie.append(env[last])  # the first groups wait for the backward pass's end
             leaves = [host_in[s] for s in g.inputs]
             if tie:
                 leaves, _ = lax.optimization_barrier((leaves, tie))
@@ -330,6 +333,15 @@ def stream(fn: Callable[..., list[Any]], avals: Sequence[Any], inputs: Sequence[
         return outs
 
     return run, len(groups), largest
+
+
+def _last_gradient(program: Program, groups: list[_Group]) -> int | None:
+    """The value made last among those the groups wait for (the last gradient)."""
+    if not groups or groups[-1].after < 0:
+        return None
+    made = program.nodes[groups[-1].after].outputs
+    ext = {v for g in groups for v in _external(program, g)}
+    return next((v for v in made if v in ext), made[0] if made else None)
 
 
 def _external(program: Program, g: _Group) -> list[int]:
