@@ -283,7 +283,8 @@ def stream(fn: Callable[..., list[Any]], avals: Sequence[Any], inputs: Sequence[
     Returns ``(new_fn, groups, largest_group_bytes)``.
     """
     window = WINDOW if window is None else max(1, int(window))
-    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
+             if hasattr(a, "shape") and hasattr(a, "dtype") else a for a in avals]
     program = from_jaxpr(jax.make_jaxpr(fn)(*avals))
     state = frozenset(program.inputs[i] for i in inputs)
     written = [program.outputs[j] for j in outputs]
