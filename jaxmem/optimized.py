@@ -106,7 +106,7 @@ class Optimized:
                  remat_scans: bool = True, offload_state: Any = False,
                  **jit_kwargs: Any) -> None:
         if not (callable(offload_state) or offload_state in state_offload.MODES):
-            raise ValueError(f"offload_state must be True, False, 'opt' or a predicate "
+            raise ValueError(f"offload_state must be True, False, 'opt', 'auto' or a predicate "
                              f"(path, leaf) -> bool, got {offload_state!r}")
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
