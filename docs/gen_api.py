@@ -33,6 +33,7 @@ SECTIONS: list[tuple[str, str, list[str] | None]] = [
     ("jaxmem.budget", "jaxmem.budget",
      ["plan_with_budget", "Candidate", "greedy", "exact", "Pareto", "ParetoRow"]),
     ("jaxmem.rewrite", "jaxmem.rewrite", None),
+    ("jaxmem.state_offload", "jaxmem.state_offload", None),
     ("Chunking", "jaxmem", ["chunked", "chunked_cross_entropy"]),
     ("jaxmem.flax.linen", "jaxmem.flax.linen", None),
     ("jaxmem.flax.nnx", "jaxmem.flax.nnx", None),

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxmem import _jax, arguments, measure, plan_cache, strategies, targets
+from jaxmem import _jax, arguments, measure, plan_cache, state_offload, strategies, targets
 from jaxmem.analysis import Analysis, from_program
 from jaxmem.budget import BudgetError, Pareto, parse_budget, plan_with_budget, resolve_budget
 from jaxmem.budget.pareto import sweep
@@ -68,6 +68,7 @@ class _Entry:
     # Executables compiled (the jaxmem way) for arguments the first one rejects: other
     # committed devices or shardings, keyed by _placement.
     placed: dict[Any, Any] = dataclasses.field(default_factory=dict)
+    host_state: tuple[int, ...] = ()  # flat argument positions kept in pinned_host memory
 
 
 def _placement(flat: Sequence[Any]) -> Any:
@@ -114,7 +115,11 @@ class Optimized:
                  static_argnames: str | Sequence[str] | None = None,
                  donate_argnums: int | Sequence[int] | str | None = "auto",
                  max_recompute_fraction: float = 0.05, verify: bool = True,
-                 remat_scans: bool = True, **jit_kwargs: Any) -> None:
+                 remat_scans: bool = True, offload_state: Any = False,
+                 **jit_kwargs: Any) -> None:
+        if not (callable(offload_state) or offload_state in state_offload.MODES):
+            raise ValueError(f"offload_state must be True, False, 'opt', 'auto' or a predicate "
+                             f"(path, leaf) -> bool, got {offload_state!r}")
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         _check_options(budget, offload, donate_argnums, max_recompute_fraction)
@@ -133,6 +138,7 @@ class Optimized:
         self.max_recompute_fraction = max_recompute_fraction
         self.verify = verify
         self.remat_scans = remat_scans
+        self.offload_state = offload_state
         self.jit_kwargs = jit_kwargs
         self._cache: dict[Any, _Entry] = {}
         self._warned_no_backward = False
@@ -230,8 +236,11 @@ class Optimized:
         (dyn_args, kwargs), leaf_static = arguments.partition((dyn_args, kwargs))
         check_leaves(dyn_args, kwargs)
         flat, in_tree = jax.tree_util.tree_flatten((dyn_args, kwargs))
+        if self.offload_state:  # traced, keyed and compared on the device, streamed from host
+            dyn_args, kwargs = jax.tree.map(state_offload.device_view, (dyn_args, kwargs))
         try:
-            key = (in_tree, tuple(_leaf_key(x) for x in flat), static, static_vals, static_kw,
+            leaves = jax.tree_util.tree_leaves((dyn_args, kwargs))
+            key = (in_tree, tuple(_leaf_key(x) for x in leaves), static, static_vals, static_kw,
                    leaf_static)
             hash(key)
         except TypeError as e:
@@ -241,6 +250,8 @@ class Optimized:
             entry = self._build(args, static, dyn_args, kwargs, dict(static_kw), leaf_static)
             self._cache[key] = entry
         out_tree = entry.analysis.program.out_tree
+        if entry.host_state:
+            flat = state_offload.place(flat, entry.host_state)
         return entry, flat, out_tree
 
     def _bound(self, args: tuple[Any, ...], static: tuple[int, ...],
@@ -296,22 +307,36 @@ class Optimized:
 
         plain = self._plain(fn, jax.tree_util.tree_structure((dyn_args, kwargs)), donate_flat)
         planning = program.has_backward and self.strategy != "none"
+        # The plan cache holds plans; a step that streams its state from host memory decides
+        # that per call of the budget search, so it is planned afresh.
         key = plan_cache.fingerprint(program.jaxpr, (platform, _device_kind(flat)),
-                                     self._options(donate_flat)) if planning else None
+                                     self._options(donate_flat)) \
+            if planning and self.offload_state is False else None
         cached = plan_cache.load(key) if key else None
         if cached is not None:  # made before (this process, or the disk cache): no compiles
             plan, compiled = dataclasses.replace(cached, donated=donated), None
+            stream_state = False
         else:
-            plan, compiled = self._make_plan(analysis, jit_plan, plain, dyn_args, kwargs,
-                                             donated, platform)
+            plan, compiled, stream_state = self._make_plan(analysis, jit_plan, plain, dyn_args,
+                                                           kwargs, donated, platform)
             if key:
                 plan_cache.store(key, plan)
         # A budget the plain step already fits drops nothing: run the plain step itself (its
         # figures are the ones the budget was checked against).
         nothing = self.budget is not None and not (plan.recompute or plan.offload)
         jitted = plain if plan.strategy == "none" or nothing else jit_plan(plan)
+        host_state: tuple[int, ...] = ()
+        if stream_state:
+            jitted, info = state_offload.wrap(jitted, program, (dyn_args, kwargs), flat,
+                                              donate_flat, self.offload_state,
+                                              _device_of(flat), self.jit_kwargs)
+            if info is not None:
+                host_state, compiled = info.inputs, None
+                plan = dataclasses.replace(plan, state_offload=info, compiled=None,
+                                           notes=plan.notes + (info.describe(_profile_of(flat)),))
         return _Entry(analysis=analysis, plan=plan, jitted=jitted, donate_flat=donate_flat,
-                      plain=plain, compiled=compiled, static_out=fn.static_out)
+                      plain=plain, compiled=compiled, static_out=fn.static_out,
+                      host_state=host_state)
 
     def _options(self, donate_flat: tuple[int, ...]) -> tuple[Any, ...]:
         """What changes the plan besides the program and target: the plan cache's key."""
@@ -320,9 +345,10 @@ class Optimized:
 
     def _make_plan(self, analysis: Analysis, jit_plan: Callable[[Plan], Any], plain: Any,
                    dyn_args: tuple[Any, ...], kwargs: dict[str, Any], donated: tuple[int, ...],
-                   platform: str) -> tuple[Plan, Any]:
+                   platform: str) -> tuple[Plan, Any, bool]:
         """Plan the step (compiling candidates on its target); the chosen plan's executable
-        when one was compiled on the way."""
+        when one was compiled on the way; whether the optimizer state streams from host
+        memory (``offload_state``)."""
         program, flat = analysis.program, jax.tree_util.tree_leaves((dyn_args, kwargs))
         compiled, exes = None, {}
 
@@ -337,13 +363,21 @@ class Optimized:
 
         plan = dataclasses.replace(self._first_plan(analysis), donated=donated)
         planning = program.has_backward and self.strategy != "none"
+        # "auto": only where a budget needs it (state_offload.with_budget decides)
+        stream_state = self.offload_state is not False and self.offload_state != "auto"
         if planning and self.budget is not None:
-            plan = plan_with_budget(
-                analysis, self.budget, auto=plan,
-                compile_plan=plan_cache.progress(compile_plan, "budget search"),
-                compile_plain=plan_cache.progress(compile_plain, "budget search"),
-                device_peak=lambda p, fig: device_peak(analysis.program, p, fig, platform),
-                offload=self.offload)
+            auto = plan
+            plan, stream_state = state_offload.with_budget(
+                lambda b: plan_with_budget(
+                    analysis, b, auto=auto,
+                    compile_plan=plan_cache.progress(compile_plan, "budget search"),
+                    compile_plain=plan_cache.progress(compile_plain, "budget search"),
+                    device_peak=lambda p, fig: device_peak(program, p, fig, platform),
+                    offload=self.offload),
+                self.budget, self.offload_state,
+                self.offload_state and state_offload.preview(
+                    program, (dyn_args, kwargs), self.offload_state, flat),
+                lambda: _figures(plain, flat).peak, _profile_of(flat))
             plan = dataclasses.replace(plan, donated=donated)
             # the executable the search compiled for the chosen plan runs the first call
             compiled = exes.get(_rewrite_key(plan) if plan.recompute or plan.offload else None)
@@ -359,7 +393,7 @@ class Optimized:
         elif self.verify and self.budget is None and plan.offload:
             plan, compiled = self._verified_offload(plan, analysis, jit_plan, plain, flat,
                                                     platform)
-        return plan, compiled
+        return plan, compiled, stream_state
 
     def _trace(self, fn: Callable[..., Any], dyn_args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> Program:
@@ -504,7 +538,7 @@ class Optimized:
 
     def _baseline(self, entry: _Entry, flat: list[Any]) -> Figures:
         """Plain ``jax.jit`` of the user's step, compiled the same way (same donation)."""
-        return _figures(entry.plain, flat)
+        return _figures(entry.plain, [state_offload.device_view(x) for x in flat])
 
     def _plain(self, fn: Callable[..., Any], in_tree: Any, donate_flat: tuple[int, ...]) -> Any:
         def flat_fn(*leaves: Any) -> Any:
@@ -570,6 +604,14 @@ def _rewrite_key(plan: Plan) -> Any:
 def _device_kind(flat: Sequence[Any]) -> str:
     device = _device_of(flat) or jax.devices()[0]
     return str(getattr(device, "device_kind", device.platform))
+
+
+def _profile_of(flat: Sequence[Any]) -> str:
+    """The device profile preset of the arguments' target (``"cpu"`` where unknown)."""
+    try:
+        return targets.of(flat).profile
+    except Exception:  # noqa: BLE001 - a label for a note: never fail the step over it
+        return "cpu"
 
 
 def _device_of(flat: Sequence[Any]) -> Any:
@@ -666,7 +708,7 @@ def optimize(fn: Callable[..., Any] | None = None, *, budget: Any = None,
              static_argnames: str | Sequence[str] | None = None,
              donate_argnums: int | Sequence[int] | str | None = "auto",
              max_recompute_fraction: float = 0.05, verify: bool = True,
-             remat_scans: bool = True, **jit_kwargs: Any) -> Any:
+             remat_scans: bool = True, offload_state: Any = False, **jit_kwargs: Any) -> Any:
     """Jit a train step so that it needs less accelerator memory, with the same results.
 
     jaxmem traces the step (which calls ``jax.grad``/``value_and_grad`` and an optimizer
@@ -692,6 +734,12 @@ def optimize(fn: Callable[..., Any] | None = None, *, budget: Any = None,
       remat_scans: run the bodies of ``lax.scan`` (``nn.scan``/``nnx.scan`` stacks) under
         ``jax.checkpoint(policy=jaxmem.policies.utility)`` while tracing, so layers inside a
         scan save only their heavy outputs too (the joint rewrite keeps a scan whole).
+      offload_state: keep the optimizer state (adam's moments) in ``pinned_host`` memory
+        between steps and stream it through the update one layer at a time
+        (:mod:`jaxmem.state_offload`, docs/state_offload.md). ``True``/``"opt"``: the
+        floating leaves only the update reads; or a predicate ``(path, leaf) -> bool``;
+        ``"auto"``: only where a ``budget`` is not met otherwise (the planner weighs the
+        state's transfer time against recompute and residual offload).
       **jit_kwargs: ``keep_unused`` / ``inline``, passed to ``jax.jit``.
 
     Returns:
@@ -709,7 +757,7 @@ def optimize(fn: Callable[..., Any] | None = None, *, budget: Any = None,
     kw = dict(budget=budget, strategy=strategy, offload=offload, static_argnums=static_argnums,
               static_argnames=static_argnames, donate_argnums=donate_argnums,
               max_recompute_fraction=max_recompute_fraction, verify=verify,
-              remat_scans=remat_scans, **jit_kwargs)
+              remat_scans=remat_scans, offload_state=offload_state, **jit_kwargs)
     if fn is None:
         return lambda f: Optimized(f, **kw)
     if not callable(fn):

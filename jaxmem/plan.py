@@ -13,6 +13,7 @@ import dataclasses
 import enum
 from collections import defaultdict
 from collections.abc import Iterable
+from typing import Any
 
 from jaxmem.analysis import Analysis, Residual
 from jaxmem.chains import chain_start, replay_flops
@@ -57,6 +58,8 @@ class Plan:
     # Values the rewrite keeps though the backward does not read them (a block plan's
     # boundary values): recompute chains start from them.
     keep: frozenset[int] = frozenset()
+    # The optimizer state kept in host memory (jaxmem.state_offload.StateOffload), if any.
+    state_offload: Any = None
 
     def of(self, decision: Decision) -> tuple[Choice, ...]:
         return tuple(c for c in self.choices if c.decision is decision)

@@ -1,0 +1,493 @@
+"""Optimizer state in host memory, streamed through the update one layer at a time.
+
+A step of the rewrite box (DESIGN.md), applied after the residual plan: the train state's
+optimizer leaves (adam's two moments: twice the parameters' bytes) live in ``pinned_host``
+memory between steps. Inside the step each leaf is fetched to the device just before the
+optimizer update that reads it, and its new value is written back to host memory, so the
+device holds about one layer's slice of the state (plus the next one, prefetched) instead
+of all of it. The user's optax update is unchanged: the step is traced, and the update's
+equations are replayed grouped by layer.
+
+How the order is enforced (XLA schedules by data flow alone):
+
+- the update's equations are split into *groups*: the equations that read one offloaded leaf
+  or values made from it, merged where one equation reads two leaves (adam's parameter update
+  reads both moments of a parameter). A small or scalar leaf (adam's step count) stays on the
+  device: it is read by every group and would merge them all;
+- groups run in the order their other inputs (the gradients) are made, i.e. backward order;
+- group ``k``'s leaves are fetched behind an ``optimization_barrier`` tied to its gradients
+  and to the written-back state of group ``k - 2``: the fetch cannot start before the
+  gradient exists nor before the group two back has left the device, so at most two groups'
+  slices are on the device at once (one updated, the next one arriving).
+
+On CPU, XLA strips host placement: the program runs the same equations (results are
+identical) but the compiled figures do not show the saving; compile for a GPU target
+(``jaxmem.targets.get("h100")``) to measure it. See docs/state_offload.md.
+
+Example:
+  >>> import jax, jax.numpy as jnp, optax, jaxmem
+  >>> tx = optax.adam(1e-3)
+  >>> def step(w, opt_state, x):
+  ...     g = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+  ...     updates, opt_state = tx.update(g, opt_state)
+  ...     return optax.apply_updates(w, updates), opt_state
+  >>> w = jnp.ones((32, 32))
+  >>> fast = jaxmem.optimize(step, offload_state=True, strategy="none")
+  >>> w, opt_state = fast(w, tx.init(w), jnp.ones((4, 32)))
+  >>> opt_state[0].mu.sharding.memory_kind
+  'pinned_host'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax import lax
+
+from jaxmem import _jax
+from jaxmem.measure import fmt_bytes
+from jaxmem.program import Program, from_jaxpr
+
+__all__ = ["StateOffload", "place", "preview", "select", "stream", "to_host", "with_budget",
+           "wrap"]
+
+MODES = (True, False, "opt", "auto")
+
+#: Leaves smaller than this stay on the device (adam's count, schedules' scalars): every
+#: group reads them, so offloading them would merge all groups into one.
+MIN_BYTES = 1024
+
+#: Groups in flight: group ``k`` is fetched once group ``k - WINDOW`` is written back. 2: one
+#: group updated while the next one arrives (prefetch); 1: one group at a time.
+WINDOW = 2
+
+Predicate = Callable[[tuple[Any, ...], Any], bool]
+
+
+@dataclasses.dataclass(frozen=True)
+class StateOffload:
+    """Which leaves of the train state live in host memory, and what that moves per step.
+
+    Attributes:
+      inputs: flat argument positions held in ``pinned_host`` between steps.
+      outputs: flat output positions written back to ``pinned_host`` (their new values).
+      names: the leaves' pytree paths (``keystr``), in ``inputs`` order.
+      nbytes: bytes of the offloaded state (what leaves the device).
+      largest_group: bytes of the largest group fetched at once (one layer's slice, the two
+        moments of one parameter).
+      groups: how many groups the update was split into.
+    """
+
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    names: tuple[str, ...]
+    nbytes: int
+    largest_group: int = 0
+    groups: int = 0
+
+    @property
+    def link_bytes(self) -> int:
+        """Bytes over the host link per step: every leaf fetched once and written back once."""
+        return 2 * self.nbytes
+
+    def transfer_time(self, profile: Any = "h100") -> float:
+        """Predicted seconds the host link needs per step on ``profile``
+        (:class:`jaxmem.DeviceProfile` or a preset name), both directions in turn."""
+        from jaxmem.costmodel import DeviceProfile
+        return DeviceProfile.get(profile).transfer_time(self.link_bytes)
+
+    def describe(self, profile: Any = "h100") -> str:
+        """One line for a plan's notes: what moves and what it costs."""
+        from jaxmem.costmodel import DeviceProfile
+        prof = DeviceProfile.get(profile)
+        return (f"optimizer state in host memory: {len(self.inputs)} leaves, "
+                f"{fmt_bytes(self.nbytes)} off the device, streamed in {self.groups} groups "
+                f"(largest {fmt_bytes(self.largest_group)}); {fmt_bytes(self.link_bytes)} "
+                f"over the host link per step, {1e3 * self.transfer_time(prof):.1f} ms at "
+                f"{prof.host_bw / 1e9:.0f} GB/s ({prof.name})")
+
+
+def _is_float(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    try:
+        return dtype is not None and jax.numpy.issubdtype(dtype, jax.numpy.floating)
+    except TypeError:  # extended dtypes (PRNG keys)
+        return False
+
+
+def _nbytes(x: Any) -> int:
+    return int(getattr(x, "size", 0)) * getattr(getattr(x, "dtype", None), "itemsize", 0)
+
+
+def select(program: Program, args: Any, outs: Any, mode: bool | str | Predicate
+           ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[str, ...]]:
+    """The flat input positions to keep in host memory, their outputs, and their names.
+
+    Args:
+      program: the step's traced program (its phases say which inputs the forward and
+        backward passes read).
+      args: the step's ``(dyn_args, kwargs)``, as traced.
+      outs: the step's output pytree (shapes suffice), to pair each leaf with its new value.
+      mode: ``True`` / ``"opt"`` / ``"auto"``: floating leaves of at least
+        :data:`MIN_BYTES` that only the optimizer update reads (neither the forward nor the
+        backward pass does): the optimizer state. A callable ``mode(path, leaf) -> bool``
+        picks leaves by pytree path instead (only leaves the forward and backward do not
+        read).
+
+    Returns:
+      ``(inputs, outputs, names)``; an input whose new value cannot be found among the
+      outputs (same path after the argument index, or the one output of its shape made
+      from it alone) is left on the device.
+    """
+    in_leaves = jax.tree_util.tree_flatten_with_path(args)[0]
+    out_leaves = jax.tree_util.tree_flatten_with_path(outs)[0]
+    read_by_model = {v for n in program.nodes if n.phase in ("forward", "backward")
+                     for v in n.inputs}
+    chosen = []
+    for pos, (path, leaf) in enumerate(in_leaves):
+        vid = program.inputs[pos]
+        if callable(mode):
+            if not mode(path, leaf):
+                continue
+            if vid in read_by_model:
+                raise ValueError(
+                    f"jaxmem.optimize(offload_state=...): the leaf {jax.tree_util.keystr(path)}"
+                    f" {getattr(leaf, 'shape', '')} is read by the forward or backward pass; "
+                    "only optimizer state (read by the update alone) can live in host memory. "
+                    "Narrow the predicate (e.g. to paths under 'opt_state').")
+        elif not (_is_float(leaf) and _nbytes(leaf) >= MIN_BYTES and vid not in read_by_model
+                  and vid in program.users):
+            continue
+        chosen.append(pos)
+    pairs = _pair_outputs(program, in_leaves, out_leaves, chosen)
+    inputs = tuple(p for p in chosen if p in pairs)
+    return (inputs, tuple(pairs[p] for p in inputs),
+            tuple(jax.tree_util.keystr(in_leaves[p][0]) for p in inputs))
+
+
+def _strip(path: tuple[Any, ...], n: int) -> tuple[Any, ...]:
+    return tuple(path[n:])
+
+
+def _pair_outputs(program: Program, in_leaves: list, out_leaves: list,
+                  chosen: list[int]) -> dict[int, int]:
+    """Input position -> output position of its new value: the same path below the argument
+    (inputs: ``(args, kwargs)[i][...]``; outputs: ``out[j][...]`` or the whole output)."""
+    by_path: dict[tuple[Any, ...], list[int]] = {}
+    for j, (path, _) in enumerate(out_leaves):
+        by_path.setdefault(_strip(path, 1), []).append(j)
+        by_path.setdefault(tuple(path), []).append(j)
+    pairs: dict[int, int] = {}
+    taken: set[int] = set()
+    for p in chosen:
+        path, leaf = in_leaves[p]
+        cands = [j for j in by_path.get(_strip(path, 2), []) if j not in taken
+                 and _same_aval(out_leaves[j][1], leaf)]
+        if len(cands) == 1:
+            pairs[p] = cands[0]
+            taken.add(cands[0])
+    return pairs
+
+
+def _same_aval(a: Any, b: Any) -> bool:
+    return (tuple(getattr(a, "shape", ())) == tuple(getattr(b, "shape", ()))
+            and str(getattr(a, "dtype", "")) == str(getattr(b, "dtype", "")))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Group:
+    inputs: tuple[int, ...]    # offloaded input value ids
+    nodes: tuple[int, ...]     # node indices, program order
+    outputs: tuple[int, ...]   # value ids written back to host
+    after: int                 # node index of the last non-group value the group reads
+
+
+def _groups(program: Program, state: frozenset[int], written: frozenset[int]) -> list[_Group]:
+    """The update split into groups (see the module docstring), in backward order."""
+    parent: dict[int, int] = {s: s for s in state}
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    root_of: dict[int, int] = {s: s for s in state}    # value id -> a state input it derives from
+    node_root: dict[int, int] = {}
+    for n in program.nodes:
+        roots = {find(root_of[v]) for v in n.inputs if v in root_of}
+        if not roots:
+            continue
+        r, *rest = roots
+        for o in rest:
+            parent[find(o)] = find(r)
+        r = find(r)
+        node_root[n.index] = r
+        for o in n.outputs:
+            root_of[o] = r
+    members: dict[int, list[int]] = {}
+    for i, r in node_root.items():
+        members.setdefault(find(r), []).append(i)
+    out = []
+    outputs = frozenset(program.outputs)
+    for r, nodes in members.items():
+        _absorb_feeders(program, nodes, node_root, outputs)
+        nodes.sort()
+        inside = {o for i in nodes for o in program.nodes[i].outputs}
+        ins = tuple(s for s in sorted(state) if find(s) == r)
+        after = -1
+        for i in nodes:
+            for v in program.nodes[i].inputs:
+                u = program.values[v].producer
+                if v not in inside and u is not None:
+                    after = max(after, u)
+        outs = tuple(v for v in sorted(written) if v in inside)
+        out.append(_Group(ins, tuple(nodes), outs, after))
+    out.sort(key=lambda g: (g.after, g.nodes[0]))
+    return out
+
+
+def _absorb_feeders(program: Program, nodes: list[int], taken: dict[int, int],
+                    outputs: frozenset[int]) -> None:
+    """Add to ``nodes`` the update equations only this group reads (adam's ``(1 - b1) * g``
+    and ``(1 - b2) * g ** 2``): the group's fetch is then tied to the gradient itself, and
+    XLA fuses them into the group's update instead of materialising each as a buffer."""
+    mine = set(nodes)
+    changed = True
+    while changed:
+        changed = False
+        for i in list(mine):
+            for v in program.nodes[i].inputs:
+                u = program.values[v].producer
+                if u is None or u in mine or u in taken:
+                    continue
+                n = program.nodes[u]
+                if n.phase != "other" or any(o in outputs for o in n.outputs):
+                    continue
+                if all(set(program.users.get(o, ())) <= mine for o in n.outputs):
+                    mine.add(u)
+                    taken[u] = -1
+                    changed = True
+    nodes[:] = sorted(mine)
+
+
+def stream(fn: Callable[..., list[Any]], avals: Sequence[Any], inputs: Sequence[int],
+           outputs: Sequence[int], window: int | None = None
+           ) -> tuple[Callable[..., list[Any]], int, int]:
+    """``fn`` (flat inputs -> flat outputs) with the state at ``inputs`` read from host
+    memory and its new values (``outputs``) written back there, streamed group by group.
+
+    Returns ``(new_fn, groups, largest_group_bytes)``.
+    """
+    window = WINDOW if window is None else max(1, int(window))
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
+             if hasattr(a, "shape") and hasattr(a, "dtype") else a for a in avals]
+    program = from_jaxpr(jax.make_jaxpr(fn)(*avals))
+    state = frozenset(program.inputs[i] for i in inputs)
+    written = [program.outputs[j] for j in outputs]
+    groups = _groups(program, state, frozenset(written))
+    in_group = {i for g in groups for i in g.nodes}
+    largest = max((sum(program.values[s].nbytes for s in g.inputs) for g in groups), default=0)
+    last = _last_gradient(program, groups)
+
+    def run(*flat: Any) -> list[Any]:
+        env: dict[int, Any] = dict(zip(program.inputs, flat, strict=True))
+        for v in program.values:
+            if v.is_const:
+                env[v.id] = v.const
+        host_in = {s: env[s] for s in state}
+        for n in program.nodes:
+            if n.index not in in_group:
+                _emit(n, env)
+        back: dict[int, Any] = {}         # written value id -> its host copy
+        done: list[list[Any]] = []        # per group, the host copies it wrote
+        for k, g in enumerate(groups):
+            tie = [env[v] for v in _external(program, g) if v in env]
+            if k >= window:
+                tie += done[k - window]
+            elif last is not None and last in env:
+                tie.append(env[last])  # the first groups wait for the backward pass's end
+            leaves = [host_in[s] for s in g.inputs]
+            if tie:
+                leaves, _ = lax.optimization_barrier((leaves, tie))
+            for s, x in zip(g.inputs, leaves, strict=True):
+                env[s] = jax.device_put(x, _jax.device_space())
+            for i in g.nodes:
+                _emit(program.nodes[i], env)
+            mine = []
+            for v in g.outputs:
+                back[v] = jax.device_put(env[v], _jax.host_space())
+                mine.append(back[v])
+            done.append(mine)
+        outs = []
+        for j, v in enumerate(program.outputs):
+            if v in back:
+                outs.append(back[v])
+            elif v in state:  # the state passed through unchanged
+                outs.append(host_in[v] if program.outputs[j] in written
+                            else jax.device_put(host_in[v], _jax.device_space()))
+            else:
+                outs.append(env[v])
+        return outs
+
+    return run, len(groups), largest
+
+
+def _last_gradient(program: Program, groups: list[_Group]) -> int | None:
+    """The value made last among those the groups wait for (the last gradient)."""
+    if not groups or groups[-1].after < 0:
+        return None
+    made = program.nodes[groups[-1].after].outputs
+    ext = {v for g in groups for v in _external(program, g)}
+    return next((v for v in made if v in ext), made[0] if made else None)
+
+
+def _external(program: Program, g: _Group) -> list[int]:
+    """Values made outside the group (by the forward, backward, or shared update
+    equations) that the group reads: the gradients its fetch waits for."""
+    inside = {o for i in g.nodes for o in program.nodes[i].outputs}
+    out = []
+    for i in g.nodes:
+        for v in program.nodes[i].inputs:
+            val = program.values[v]
+            if v not in inside and val.producer is not None and v not in program.constant_derived:
+                out.append(v)
+    return list(dict.fromkeys(out))
+
+
+def _emit(n: Any, env: dict[int, Any]) -> None:
+    with _jax.user_context(n.eqn.source_info.traceback, n.stack):
+        outs = _jax.bind(n.eqn, *[env[v] for v in n.inputs])
+    for o, x in zip(n.outputs, outs, strict=True):
+        env[o] = x
+
+
+def to_host(tree: Any) -> Any:
+    """``tree``'s arrays moved to ``pinned_host`` memory on the devices they are on (abstract
+    ``jax.ShapeDtypeStruct`` leaves and non-arrays pass through). ``optimize(...,
+    offload_state=True)`` does this itself for the state it keeps there."""
+    def move(x: Any) -> Any:
+        s = getattr(x, "sharding", None)
+        if isinstance(x, jax.Array) and s is not None and s.memory_kind != "pinned_host":
+            return jax.device_put(x, s.with_memory_kind("pinned_host"))
+        return x
+    return jax.tree.map(move, tree)
+
+
+def place(flat: Sequence[Any], positions: Sequence[int]) -> list[Any]:
+    """``flat`` with the leaves at ``positions`` in ``pinned_host`` memory: arrays are moved
+    (a no-op once a step has returned them there); abstract leaves get a ``pinned_host``
+    sharding where their device has host memory kinds (a compile-only GPU topology device has
+    none: there the donated state is placed in host memory by aliasing its host output)."""
+    out = list(flat)
+    for i in positions:
+        x = out[i]
+        s = getattr(x, "sharding", None)
+        if s is None or getattr(s, "memory_kind", None) == "pinned_host":
+            continue
+        if isinstance(x, jax.Array):
+            out[i] = jax.device_put(x, s.with_memory_kind("pinned_host"))
+        elif isinstance(x, jax.ShapeDtypeStruct):
+            hs = s.with_memory_kind("pinned_host")
+            if hs.memory_kind == "pinned_host":
+                out[i] = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=hs,
+                                              weak_type=x.weak_type)
+    return out
+
+
+def device_view(x: Any) -> Any:
+    """``x`` as if on the device: a leaf in ``pinned_host`` memory becomes a
+    ``jax.ShapeDtypeStruct`` with the device memory kind (what the step is traced, keyed
+    and compared against jax.jit with), anything else passes through. A state leaf the step
+    returned in host memory thus hits the cache entry its first (device) call made."""
+    s = getattr(x, "sharding", None)
+    if getattr(s, "memory_kind", None) == "pinned_host":
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s.with_memory_kind("device"),
+                                    weak_type=getattr(x, "weak_type", False))
+    return x
+
+
+def wrap(jitted: Any, program: Program, args: Any, flat: Sequence[Any],
+         donate_flat: Sequence[int], mode: bool | str | Predicate, device: Any,
+         jit_kwargs: dict[str, Any]) -> tuple[Any, StateOffload | None]:
+    """``jitted`` (a ``jax.jit`` of a flat step) with the optimizer state streamed from host
+    memory: the jit of :func:`stream`'s function and the :class:`StateOffload` it carries
+    out (None, and ``jitted`` unchanged, when no leaf qualifies)."""
+    kinds = _jax.memory_kinds(device)
+    if "pinned_host" not in kinds:
+        platform = getattr(device, "platform", "this backend")
+        raise ValueError(
+            f"jaxmem.optimize(offload_state=...): the optimizer state needs a 'pinned_host' "
+            f"memory kind to live in, but the {platform} device has "
+            f"{sorted(kinds) or 'none'}; pass offload_state=False, or compile for a target "
+            "with host memory (GPU, TPU, CPU)")
+    vals = [program.values[v] for v in program.outputs]
+    outs = jax.tree_util.tree_unflatten(program.out_tree, [
+        jax.ShapeDtypeStruct(v.shape, v.aval.dtype if v.aval is not None else v.dtype)
+        for v in vals])
+    inputs, outputs, names = select(program, args, outs, mode)
+    if not inputs:
+        return jitted, None
+    fn, groups, largest = stream(jitted.__wrapped__, flat, inputs, outputs)
+    nbytes = sum(_nbytes(flat[i]) for i in inputs)
+    info = StateOffload(inputs, outputs, names, nbytes, largest, groups)
+    return jax.jit(fn, donate_argnums=tuple(donate_flat), **jit_kwargs), info
+
+
+def preview(program: Program, args: Any, mode: bool | str | Predicate,
+            flat: Sequence[Any]) -> StateOffload | None:
+    """What offloading the state would move, from the step's own program (before any
+    rewrite): the :class:`StateOffload` :func:`wrap` would carry out, or None."""
+    vals = [program.values[v] for v in program.outputs]
+    outs = jax.tree_util.tree_unflatten(program.out_tree, [
+        jax.ShapeDtypeStruct(v.shape, v.aval.dtype if v.aval is not None else v.dtype)
+        for v in vals])
+    inputs, outputs, names = select(program, args, outs, mode)
+    if not inputs:
+        return None
+    state = frozenset(program.inputs[i] for i in inputs)
+    groups = _groups(program, state, frozenset(program.outputs[j] for j in outputs))
+    largest = max((sum(program.values[s].nbytes for s in g.inputs) for g in groups), default=0)
+    return StateOffload(inputs, outputs, names, sum(_nbytes(flat[i]) for i in inputs),
+                        largest, len(groups))
+
+
+def with_budget(search: Callable[[Any], Any], budget: Any, mode: bool | str | Predicate,
+                info: StateOffload | None, plain_peak: Callable[[], int],
+                profile: Any = "h100") -> tuple[Any, bool]:
+    """The budget search, weighing the state's offload against residual recompute/offload.
+
+    ``search(budget) -> Plan`` is the residual planner (:func:`jaxmem.plan_with_budget`).
+    With ``mode="auto"`` the state stays on the device when the residual plan alone meets
+    the budget (moving it costs :meth:`StateOffload.transfer_time` every step, recompute
+    and residual offload are already priced by the planner); otherwise, and always with
+    ``mode=True``, the state goes to host memory and the residuals are planned against the
+    budget plus the device bytes that frees (the state less the groups in flight).
+
+    Returns ``(plan, offload the state?)``; the plan's notes say what moves and its cost.
+    """
+    from jaxmem.budget.units import BudgetError, resolve_budget
+    if not mode or info is None:
+        return search(budget), False
+    freed = max(info.nbytes - WINDOW * info.largest_group, 0)
+    cost = f"{1e3 * info.transfer_time(profile):.1f} ms/step over the host link ({profile})"
+    if mode == "auto":
+        try:
+            plan = search(budget)
+        except BudgetError as e:
+            why = f"residuals alone reach {fmt_bytes(e.minimum_bytes)}"
+        else:
+            note = (f"optimizer state kept on the device: the budget is met without moving "
+                    f"its {fmt_bytes(info.nbytes)} (offloading it would cost {cost})")
+            return dataclasses.replace(plan, notes=plan.notes + (note,)), False
+    else:
+        why = "offload_state=True"
+    b = resolve_budget(budget, plain_peak())
+    plan = search(b + freed)
+    note = (f"budget {fmt_bytes(b)} ({why}): optimizer state to host memory frees "
+            f"{fmt_bytes(freed)} for {cost}; residuals planned against "
+            f"{fmt_bytes(b + freed)}")
+    return dataclasses.replace(plan, budget=b, notes=plan.notes + (note,)), True

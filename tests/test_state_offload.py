@@ -1,0 +1,125 @@
+"""optimize(offload_state=...): the optimizer state in host memory, streamed by layer.
+
+On CPU, XLA strips host placement, so these tests check there that the results are
+identical; the memory relations are checked on the H100 target (compile-only), where the
+state's host placement survives compilation.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxmem
+from benchmarks import zoo
+from jaxmem import _jax, measure, state_offload, targets
+
+
+def _leaves_equal(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_identical_results_with_the_state_in_host_memory():
+    w = zoo.make("mlp", size="test")  # adam
+    ref = jaxmem.optimize(w.step, verify=False)  # the same auto plan, state on the device
+    opt = jaxmem.optimize(w.step, offload_state=True, verify=False)
+    state_r, state_o = jax.tree.map(jnp.copy, w.state), jax.tree.map(jnp.copy, w.state)
+    for _ in range(2):
+        state_r, m_r = ref(state_r, w.batch)
+        state_o, m_o = opt(state_o, w.batch)
+        _leaves_equal((state_r, m_r), (state_o, m_o))
+    plain = jax.jit(w.step)(*jax.jit(w.step)(w.state, w.batch)[:1], w.batch)
+    for x, y in zip(jax.tree.leaves(plain), jax.tree.leaves((state_o, m_o)), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=2e-6)
+    info = opt.plan(state_o, w.batch).state_offload
+    assert info is not None and info.groups >= 2 and info.nbytes > 0
+    kinds = [x.sharding.memory_kind for x in jax.tree.leaves(state_o["opt_state"])
+             if x.nbytes >= state_offload.MIN_BYTES]
+    assert kinds and set(kinds) == {"pinned_host"}
+    assert len(opt._cache) == 1  # the step's host-resident output hits the first entry
+    assert "over the host link per step" in str(opt.plan(state_o, w.batch))
+
+
+def _adam_mlp(layers=4, width=512):
+    tx = optax.adam(1e-3)
+
+    def loss(params, x):
+        h = x
+        for w in params:
+            h = jnp.tanh(h @ w)
+        return jnp.mean(h ** 2)
+
+    def step(params, opt_state, x):
+        value, grads = jax.value_and_grad(loss)(params, x)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    params = [jax.ShapeDtypeStruct((width, width), jnp.float32) for _ in range(layers)]
+    args = (params, jax.eval_shape(tx.init, params),
+            jax.ShapeDtypeStruct((32, width), jnp.float32))
+    return step, targets.place(args, targets.require("h100"))
+
+
+@pytest.fixture(scope="module")
+def h100_step():
+    step, args = _adam_mlp()
+    opt = jaxmem.optimize(step, offload_state=True, strategy="none")
+    return step, args, opt, opt.plan(*args)  # compiled: the step and plain jit (baseline)
+
+
+def test_the_cuda_lowering_puts_the_state_in_pinned_host(h100_step):
+    _, args, opt, plan = h100_step
+    info = plan.state_offload
+    assert len(info.inputs) == 8  # two moments of four kernels
+    assert opt.lower(*args).as_text().count('mhlo.memory_kind = "pinned_host"') == \
+        len(info.outputs)
+    stats = opt.lower(*args).compile().memory_analysis()  # the executable plan() compiled
+    assert stats.host_argument_size_in_bytes == info.nbytes
+    assert stats.host_output_size_in_bytes == info.nbytes
+
+
+def test_device_peak_falls_by_the_state_minus_the_groups_in_flight(h100_step, monkeypatch):
+    """On the H100 target: the compiled device peak falls by at least the state's bytes
+    minus one layer's slice (one group at a time), or minus two with the prefetch."""
+    step, args, _, plan = h100_step
+    info, base = plan.state_offload, plan.baseline.peak  # plain jit, same donation
+    assert base - plan.compiled.peak >= info.nbytes - 2 * info.largest_group
+    monkeypatch.setattr(state_offload, "WINDOW", 1)
+    one = jaxmem.optimize(step, offload_state=True, strategy="none")
+    single = measure.figures(one.lower(*args).compile()).peak
+    assert base - single >= info.nbytes - info.largest_group
+
+
+def test_a_backend_without_host_memory_is_a_clear_error(monkeypatch):
+    w = zoo.make("mlp", size="test")
+    monkeypatch.setattr(_jax, "memory_kinds", lambda device=None: frozenset({"device"}))
+    with pytest.raises(ValueError, match="pinned_host"):
+        jaxmem.optimize(w.step, offload_state=True, strategy="none").analysis(w.state, w.batch)
+
+
+def test_a_predicate_may_not_pick_what_the_forward_pass_reads():
+    w = zoo.make("mlp", size="test")
+    pick = lambda path, leaf: "params" in jax.tree_util.keystr(path)  # noqa: E731
+    with pytest.raises(ValueError, match="read by the forward or backward"):
+        jaxmem.optimize(w.step, offload_state=pick, strategy="none").analysis(w.state, w.batch)
+    with pytest.raises(ValueError, match="offload_state must be"):
+        jaxmem.optimize(w.step, offload_state="everything")
+
+
+def test_the_budget_planner_moves_the_state_only_where_the_budget_needs_it(h100_step):
+    """offload_state="auto" under a budget: a budget the residual plan meets keeps the state
+    on the device; one below what residuals alone reach moves it, and the plan says what
+    moves and what it costs per step."""
+    step, args, _, plan = h100_step
+    plain, state = plan.baseline.peak, plan.state_offload.nbytes
+    loose = jaxmem.optimize(step, budget=plain, offload_state="auto").plan(*args)
+    assert loose.state_offload is None
+    assert any("kept on the device" in n for n in loose.notes)
+    budget = plain - state // 2
+    tight = jaxmem.optimize(step, budget=budget, offload_state="auto").plan(*args)
+    assert tight.state_offload is not None and tight.compiled.peak <= budget
+    assert any("ms/step over the host link" in n for n in tight.notes)
