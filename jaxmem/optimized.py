@@ -23,6 +23,7 @@ from jaxmem import _jax, measure, strategies, targets
 from jaxmem.analysis import Analysis, from_program
 from jaxmem.budget import Pareto, plan_with_budget
 from jaxmem.budget.pareto import sweep
+from jaxmem.budget.scans import choose_for
 from jaxmem.liveness import liveness
 from jaxmem.measure import Figures, fmt_bytes
 from jaxmem.plan import Decision, Plan
@@ -102,7 +103,7 @@ class Optimized:
                  static_argnames: str | Sequence[str] | None = None,
                  donate_argnums: int | Sequence[int] | str | None = "auto",
                  max_recompute_fraction: float = 0.05, verify: bool = True,
-                 remat_scans: bool = True, **jit_kwargs: Any) -> None:
+                 remat_scans: bool | Callable[..., Any] = True, **jit_kwargs: Any) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         if offload not in (False, True, "auto"):
@@ -251,7 +252,10 @@ class Optimized:
     def _build(self, args: tuple[Any, ...], static: tuple[int, ...], dyn_args: tuple[Any, ...],
                kwargs: dict[str, Any], static_kw: dict[str, Any]) -> _Entry:
         fn = self._bound(args, static, static_kw)
-        program = self._trace(fn, dyn_args, kwargs)
+        body = None  # a budget picks the scan bodies' policy too (jaxmem.budget.scans)
+        if self.budget is not None and self.remat_scans is True and self.strategy != "none":
+            body = choose_for(self, fn, dyn_args, kwargs)
+        program = self._trace(fn, dyn_args, kwargs, None if body is None else body.policy)
         analysis = from_program(program)
         flat = jax.tree_util.tree_leaves((dyn_args, kwargs))
         platform = targets.platform_of(flat) or jax.default_backend()
@@ -272,7 +276,8 @@ class Optimized:
                 compile_plain=lambda: _figures(plain, flat),
                 device_peak=lambda p, fig: device_peak(program, p, fig, platform),
                 offload=self.offload)
-            plan = dataclasses.replace(plan, donated=donated)
+            plan = dataclasses.replace(plan, donated=donated,
+                                       notes=plan.notes + (body.notes if body else ()))
         elif planning and (self.offload is True or offload_tagged(analysis)):
             # No budget: values tagged with jaxmem.offload_name are offloaded; offload=True
             # also offloads kept residuals whose round trip hides under compute.
@@ -289,11 +294,13 @@ class Optimized:
                       plain=plain, compiled=compiled)
 
     def _trace(self, fn: Callable[..., Any], dyn_args: tuple[Any, ...],
-               kwargs: dict[str, Any]) -> Program:
+               kwargs: dict[str, Any], policy: Any = None) -> Program:
         """The step's program; scan bodies under jax.checkpoint(policies.utility) when
-        ``remat_scans`` (the joint rewrite keeps a scan whole)."""
+        ``remat_scans`` (the joint rewrite keeps a scan whole), or under ``policy`` (or the
+        policy ``remat_scans`` is)."""
         if self.remat_scans and self.strategy != "none":
-            with _jax.checkpointed_scan_bodies(utility):
+            policy = policy or (utility if self.remat_scans is True else self.remat_scans)
+            with _jax.checkpointed_scan_bodies(policy):
                 program = trace(fn, *dyn_args, **kwargs)
             if program.has_backward:
                 return program
@@ -490,7 +497,7 @@ def optimize(fn: Callable[..., Any] | None = None, *, budget: Any = None,
              static_argnames: str | Sequence[str] | None = None,
              donate_argnums: int | Sequence[int] | str | None = "auto",
              max_recompute_fraction: float = 0.05, verify: bool = True,
-             remat_scans: bool = True, **jit_kwargs: Any) -> Any:
+             remat_scans: bool | Callable[..., Any] = True, **jit_kwargs: Any) -> Any:
     """Jit a train step so that it needs less accelerator memory, with the same results.
 
     jaxmem traces the step (which calls ``jax.grad``/``value_and_grad`` and an optimizer
@@ -515,7 +522,10 @@ def optimize(fn: Callable[..., Any] | None = None, *, budget: Any = None,
         ``jax.jit``, at two or three extra compiles on the first call.
       remat_scans: run the bodies of ``lax.scan`` (``nn.scan``/``nnx.scan`` stacks) under
         ``jax.checkpoint(policy=jaxmem.policies.utility)`` while tracing, so layers inside a
-        scan save only their heavy outputs too (the joint rewrite keeps a scan whole).
+        scan save only their heavy outputs too (the joint rewrite keeps a scan whole). With
+        a ``budget``, the body's policy is planned too: per value in the layer (MaxText's
+        tagged names, or each matmul) keep, recompute or offload, the fewest FLOPs that fit
+        (:mod:`jaxmem.budget.scans`). A ``jax.checkpoint`` policy here is used as given.
       **jit_kwargs: ``keep_unused`` / ``inline``, passed to ``jax.jit``.
 
     Returns:

@@ -1,0 +1,178 @@
+"""The budget search over scan-body policies: the cheapest one that fits, compile-checked.
+
+Third box of the data flow under a budget, for a step whose layers are one ``lax.scan``
+(:mod:`jaxmem.scans`). Each candidate :class:`~jaxmem.scans.BodyPolicy` is traced (cheap)
+to get its exact FLOPs (jaxmem's count, loops times their trip count, recompute included)
+and the bytes it keeps for the backward pass; candidates are then compiled in order of
+FLOPs, fewest first, skipping those whose predicted peak (the last compiled peak moved by
+the difference in kept bytes) is clearly over the budget, until one fits. The first that
+fits has the fewest recompute FLOPs among the candidates that fit, up to the skips' slack.
+
+:func:`choose` is the search over plain callables; :func:`choose_for` wires it to
+:class:`jaxmem.optimized.Optimized` (each candidate compiled as the whole step: the body
+policy inside the scan, jaxmem's auto plan outside it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from jaxmem.analysis import from_program
+from jaxmem.budget.units import resolve_budget
+from jaxmem.measure import Figures, fmt_bytes
+from jaxmem.program import Program
+from jaxmem.scans import BodyPolicy, BodyValue, body_values, candidates
+
+__all__ = ["BodyCandidate", "BodyChoice", "choose", "choose_for", "estimate"]
+
+# A candidate predicted this far over the budget (fraction of the budget) is not compiled.
+_SLACK = 0.10
+
+
+@dataclasses.dataclass(frozen=True)
+class BodyCandidate:
+    """One body policy, traced (and maybe compiled).
+
+    Attributes:
+      policy: the :class:`~jaxmem.scans.BodyPolicy`.
+      flops: jaxmem's FLOP count of the whole step with it (recompute included).
+      kept_bytes: bytes of the device-resident values the backward pass reads.
+      compiled: XLA's figures of the whole step with it, when compiled.
+    """
+
+    policy: BodyPolicy
+    flops: float
+    kept_bytes: int
+    compiled: Figures | None = None
+
+    def row(self, budget: int | None = None) -> str:
+        peak = "-" if self.compiled is None else fmt_bytes(self.compiled.peak)
+        fit = ("" if budget is None or self.compiled is None
+               else (" fits" if self.compiled.peak <= budget else " over"))
+        return (f"{self.policy.name}: {self.flops / 1e9:.4f} GFLOP, kept "
+                f"{fmt_bytes(self.kept_bytes)}, peak {peak}{fit}")
+
+
+@dataclasses.dataclass(frozen=True)
+class BodyChoice:
+    """What :func:`choose` picked, and every candidate it looked at."""
+
+    chosen: BodyCandidate
+    candidates: tuple[BodyCandidate, ...]
+    budget: int
+    fits: bool
+
+    @property
+    def policy(self) -> BodyPolicy:
+        return self.chosen.policy
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        n = sum(c.compiled is not None for c in self.candidates)
+        head = (f"scan bodies: policy {self.policy.name!r} ("
+                + ("fewest FLOPs that fits" if self.fits else "lowest peak found; over budget")
+                + f", {len(self.candidates)} candidates traced, {n} compiled)")
+        save = ", ".join(_label(k) for k in self.policy.save) or "-"
+        off = ", ".join(_label(k) for k in self.policy.offload) or "-"
+        return (head, f"scan bodies keep: {save}; offload: {off}; base {self.policy.base}")
+
+
+def _label(key: Any) -> str:
+    return str(key[1]) if key[0] == "name" else "dot" + str(key[1][0])
+
+
+def estimate(policy: BodyPolicy, program: Program) -> BodyCandidate:
+    """FLOPs and kept bytes of the step traced with ``policy`` on its scan bodies."""
+    analysis = from_program(program)
+    kept = sum(r.nbytes for r in analysis.residuals
+               if "Host" not in str(program.values[r.value].memory_space))
+    return BodyCandidate(policy, float(program.flops), int(kept))
+
+
+def _dominated(cands: Sequence[BodyCandidate]) -> list[BodyCandidate]:
+    """Candidates no other one beats on both FLOPs and kept bytes, fewest FLOPs first."""
+    out: list[BodyCandidate] = []
+    for c in sorted(cands, key=lambda c: (c.flops, c.kept_bytes)):
+        if not out or c.kept_bytes < min(o.kept_bytes for o in out):
+            out.append(c)
+    return out
+
+
+def choose(cands: Sequence[BodyCandidate], compile_with: Callable[[BodyPolicy], Figures],
+           budget: int, *, max_compiles: int = 8) -> BodyChoice:
+    """Compile candidates, fewest FLOPs first, until one fits ``budget`` bytes.
+
+    Candidates beaten on both FLOPs and kept bytes by another are left out; one predicted
+    more than 10% over the budget (the last compiled peak plus the difference in kept bytes)
+    is not compiled. If none fits, the lowest compiled peak is chosen (``fits=False``).
+    """
+    debug = os.environ.get("JAXMEM_BUDGET_DEBUG")
+    front = _dominated(cands)
+    done: dict[str, BodyCandidate] = {}
+    last: BodyCandidate | None = None
+    for c in front:
+        if last is not None and last.compiled is not None:
+            predicted = last.compiled.peak + c.kept_bytes - last.kept_bytes
+            if predicted > budget * (1 + _SLACK):
+                continue
+        if len(done) >= max_compiles:
+            break
+        c = dataclasses.replace(c, compiled=compile_with(c.policy))
+        done[c.policy.name] = last = c
+        if debug:
+            print(f"jaxmem scan body: {c.row(budget)}")
+        if c.compiled.peak <= budget:
+            return BodyChoice(c, _merge(cands, done), budget, True)
+    if front and front[-1].policy.name not in done and len(done) < max_compiles + 1:
+        c = front[-1]  # the fewest kept bytes: the lowest peak to expect
+        c = dataclasses.replace(c, compiled=compile_with(c.policy))
+        done[c.policy.name] = c
+        if c.compiled.peak <= budget:
+            return BodyChoice(c, _merge(cands, done), budget, True)
+    best = min(done.values(), key=lambda c: (c.compiled.peak, c.flops))
+    return BodyChoice(best, _merge(cands, done), budget, False)
+
+
+def _merge(cands: Sequence[BodyCandidate], done: dict[str, BodyCandidate]
+           ) -> tuple[BodyCandidate, ...]:
+    return tuple(done.get(c.policy.name, c) for c in cands)
+
+
+def choose_for(opt: Any, fn: Callable[..., Any], dyn_args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> BodyChoice | None:
+    """The body policy for ``opt`` (an :class:`~jaxmem.optimized.Optimized` with a budget)
+    on ``fn(*dyn_args, **kwargs)``; ``None`` when the step scans no differentiated layer."""
+    from jaxmem import _jax
+    from jaxmem.optimized import Optimized, _figures
+    from jaxmem.program import trace
+
+    values: list[BodyValue] = body_values(trace(fn, *dyn_args, **kwargs))
+    if not values:
+        return None
+    offload = opt.offload in (True, "auto")
+
+    def traced(policy: BodyPolicy) -> Program:
+        with _jax.checkpointed_scan_bodies(policy):
+            return trace(fn, *dyn_args, **kwargs)
+
+    cands = [estimate(p, traced(p)) for p in candidates(values, offload=offload)]
+    flat = jax.tree_util.tree_leaves((dyn_args, kwargs))
+    entries: dict[str, Any] = {}
+
+    def entry(policy: BodyPolicy) -> Any:
+        if policy.name not in entries:
+            sub = Optimized(fn, strategy=opt.strategy, donate_argnums=opt.donate_argnums,
+                            max_recompute_fraction=opt.max_recompute_fraction, verify=False,
+                            remat_scans=policy, **opt.jit_kwargs)
+            entries[policy.name] = sub._prepare(dyn_args, kwargs)[0]  # noqa: SLF001
+        return entries[policy.name]
+
+    # The plain step (same donation) is what a fractional budget is a fraction of.
+    first = _dominated(cands)[0].policy
+    budget = resolve_budget(opt.budget, _figures(entry(first).plain, flat).peak)
+    return choose(cands, lambda p: _figures(entry(p).jitted, flat), budget)
