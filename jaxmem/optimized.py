@@ -30,6 +30,7 @@ from jaxmem.plan import Decision, Plan
 from jaxmem.policies import utility
 from jaxmem.program import Program, check_leaves, from_jaxpr, trace
 from jaxmem.rewrite import apply
+from jaxmem.scans import TrainBodies, loop_plan
 from jaxmem.tags import offload_tagged, offload_tags_out_of_reach
 
 STRATEGIES = ("auto", "none")
@@ -300,14 +301,18 @@ class Optimized:
         policy ``remat_scans`` is)."""
         if self.remat_scans and self.strategy != "none":
             policy = policy or (utility if self.remat_scans is True else self.remat_scans)
-            with _jax.checkpointed_scan_bodies(policy):
+            bodies = TrainBodies(self.max_recompute_fraction, self.verify)  # grad accumulation
+            with _jax.checkpointed_scan_bodies(policy, bodies):
                 program = trace(fn, *dyn_args, **kwargs)
-            if program.has_backward:
+            self._loop_plans = tuple(bodies.plans)
+            if program.has_backward or bodies.plans:
                 return program
         return trace(fn, *dyn_args, **kwargs)  # nothing differentiated: trace it untouched
 
     def _first_plan(self, analysis: Analysis) -> Plan:
         """MEDL's auto plan, or keep everything (``strategy="none"``, no backward pass)."""
+        if not analysis.program.has_backward and getattr(self, "_loop_plans", ()):
+            return loop_plan(analysis, self._loop_plans)
         if not analysis.program.has_backward:
             if not self._warned_no_backward:
                 warnings.warn(

@@ -39,6 +39,7 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import jax
 from jax.ad_checkpoint import Offloadable, Recompute, Saveable
 
 from jaxmem import _jax
@@ -47,6 +48,7 @@ from jaxmem.program import Program
 
 __all__ = [
     "MAXTEXT", "BodyPolicy", "BodyValue", "body_values", "candidates", "dot_key", "preset_policy",
+    "TrainBodies", "loop_plan",
 ]
 
 #: A body value's key: ``("name", tag)`` or ``("dot", signature)``.
@@ -262,3 +264,83 @@ def preset_policy(name: str) -> BodyPolicy:
     return BodyPolicy(f"maxtext:{name}", tuple(("name", n) for n in save),
                       tuple(("name", n) for n in off))
 
+
+
+# --- gradient-accumulation scans: a body that is a train step of its own --------------------
+
+
+def _abstract(x: Any) -> Any:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x
+
+
+def _scan_operands(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    init = args[0] if args else kwargs.get("init")
+    xs = args[1] if len(args) > 1 else kwargs.get("xs")
+    return init, xs
+
+
+class TrainBodies:
+    """Plans scan bodies that hold their own forward and backward pass.
+
+    A gradient-accumulation loop (``lax.scan`` or ``fori_loop`` over micro-batches, each
+    iteration a ``value_and_grad`` whose gradients are summed in the carry) is a train step
+    inside a loop: the joint rewrite of the outer step sees no backward at all. Passed as
+    ``plan_body`` to :func:`jaxmem._jax.checkpointed_scan_bodies`, an instance traces each
+    scan body met outside differentiation; when the body has a backward pass it is planned
+    as a step of its own (``jaxmem.optimize`` on the body: MEDL's auto plan and its
+    per-block variants, compiled against the plain body) and its rewrite becomes the body.
+    Values the body closes over (the parameters) become explicit inputs
+    (``jax.closure_convert``). Scans inside the body
+    are treated as in any step (their bodies under the policy). ``plans`` lists what was
+    planned, for the outer plan's notes.
+    """
+
+    def __init__(self, max_recompute_fraction: float = 0.05, verify: bool = True) -> None:
+        self.max_recompute_fraction = max_recompute_fraction
+        self.verify = verify
+        self.plans: list[Any] = []
+
+    def __call__(self, f: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        from jaxmem.optimized import Optimized
+        from jaxmem.program import TraceError, trace
+
+        init, xs = _scan_operands(args, kwargs)
+        carry = jax.tree.map(_abstract, init)
+        x0 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), xs)
+        try:
+            converted, consts = jax.closure_convert(f, carry, x0)
+            example = (carry, x0, *map(_abstract, consts))
+            if not trace(converted, *example).has_backward:
+                return None
+        except (TraceError, TypeError, ValueError):
+            return None  # not traceable on its own: left to the policy
+        # The body is a train step: plan it as one (verified against its own plain jit on the
+        # arguments' target, so a body plan is never worse than the plain body).
+        sub = Optimized(converted, donate_argnums=(), verify=self.verify,
+                        max_recompute_fraction=self.max_recompute_fraction)
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            entry = sub._prepare(example, {})[0]  # noqa: SLF001
+        self.plans.append(entry.plan)
+        out_tree = entry.analysis.program.out_tree
+
+        def planned(c: Any, x: Any) -> Any:
+            outs = entry.jitted(*jax.tree.leaves(((c, x, *consts), {})))
+            return jax.tree.unflatten(out_tree, outs)
+
+        return planned
+
+
+def loop_plan(analysis: Any, inner: Sequence[Any]) -> Any:
+    """The outer step's plan when its backward passes are all inside loop bodies: keep
+    everything outside, and say what each body's own plan does."""
+    from jaxmem.strategies import plan_none
+
+    notes = tuple(
+        f"loop body {i} planned as a train step: {p.strategy}, {len(p.recompute)} of "
+        f"{len(p.choices)} residuals recomputed per iteration, "
+        f"{p.recompute_flops / 1e9:.4f} GFLOP per iteration" for i, p in enumerate(inner))
+    return dataclasses.replace(plan_none(analysis), strategy="auto: inside loops",
+                               notes=notes)

@@ -1,0 +1,179 @@
+"""Plans inside scan bodies against per-layer built-in policies and MaxText's presets.
+
+``python -m benchmarks.scan_plans [--models transformer_scan,llama_scan] [--size bench]
+[--target cpu] [--out results/scan_plans] [--no-maxbatch] [--no-presets]``
+
+Two tables, compiled figures only (``jaxmem.measure``; the barrier flag on CPU; state donated):
+
+1. **Max batch in plain jit's memory.** Budget = the compiled peak of plain ``jax.jit`` at the
+   size's batch. For ``plain``, per-layer ``nothing_saveable`` (``nn.remat`` around each
+   scanned layer) and ``jaxmem.optimize(step, budget=<budget>)``, the largest batch whose
+   peak fits (``benchmarks.maxbatch.search``: secant steps, resolution ``--tol``).
+2. **MaxText presets at one budget** (models whose layers carry MaxText's names): each
+   preset as MaxText applies it (``nn.remat(policy=preset)`` per layer), its peak, its FLOPs
+   (jaxmem's count: loop bodies times their trip count, recompute included; XLA's
+   ``cost_analysis`` counts a scan body once) and whether it fits; the budget is the median
+   preset peak, so about half fit. Then ``jaxmem.optimize(step, budget=<that>)``: its peak,
+   FLOPs and chosen body policy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+
+import jaxmem
+from benchmarks import zoo
+from benchmarks.maxbatch import search
+from benchmarks.zoo.maxtext_presets import PRESETS
+from jaxmem import measure
+
+DONATE = (0,)
+DEFAULT_OUT = Path("results/scan_plans")
+
+
+def _args(name: str, size: str, batch: int, policy: Any, target: str) -> tuple[Any, Any]:
+    w = zoo._make(name, size, batch, policy, 0, abstract=True)  # noqa: SLF001
+    args = w.args if target == "cpu" else jaxmem.targets.place(w.args, target)
+    return w, args
+
+
+def plain(name: str, size: str, batch: int, policy: Any = None, target: str = "cpu"
+          ) -> tuple[int, float]:
+    """Compiled peak and jaxmem's FLOP count of ``jax.jit(step)`` (per-layer ``policy``)."""
+    w, args = _args(name, size, batch, policy, target)
+    jitted = jax.jit(w.step, donate_argnums=DONATE)
+    return (measure.figures(measure.compile(jitted.lower(*args))).peak,
+            measure.count_flops(w.step, *args))
+
+
+def with_jaxmem(name: str, size: str, batch: int, budget: int, target: str = "cpu"
+                ) -> tuple[int, float, str]:
+    """Peak, FLOPs and scan-body notes of ``jaxmem.optimize(step, budget=budget)``; the
+    lowest peak found (above the budget) when planning raises BudgetError."""
+    w, args = _args(name, size, batch, None, target)
+    step = jaxmem.optimize(w.step, budget=budget, donate_argnums=DONATE)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plan = step.plan(*args)
+    except jaxmem.BudgetError as e:
+        return max(e.minimum_bytes, budget + 1), float("nan"), "BudgetError"
+    entry = step._prepare(args, {})[0]  # noqa: SLF001
+    flops = measure.count_flops(entry.jitted, *jax.tree_util.tree_leaves(args))
+    notes = "; ".join(n for n in plan.notes if n.startswith("scan bodies"))
+    return plan.compiled.peak, flops, notes
+
+
+def run_maxbatch(name: str, size: str, tol: float, target: str, log: Any) -> dict:
+    start = zoo.config(name, size)["batch"]
+    budget, _ = plain(name, size, start, target=target)
+    log(f"{name}: budget {measure.fmt_bytes(budget)} (plain jit at batch {start})")
+    out: dict[str, Any] = {"model": name, "budget": budget, "start_batch": start}
+    variants = {
+        "plain": lambda b: plain(name, size, b, target=target)[0],
+        "nothing_saveable": lambda b: plain(name, size, b, jax.checkpoint_policies
+                                            .nothing_saveable, target=target)[0],
+        "jaxmem": lambda b: with_jaxmem(name, size, b, budget, target)[0],
+    }
+    for variant, peak_of in variants.items():
+        s = search(peak_of, budget, start, tol=tol, variant=variant,
+                   known={start: budget} if variant == "plain" else None)
+        out[variant] = dataclasses.asdict(s)
+        log(f"  {variant:<17} -> batch {s.batch} ({s.compiles} compiles, {s.seconds:.0f}s)")
+    return out
+
+
+def run_presets(name: str, size: str, target: str, log: Any, batch: int | None = None
+                ) -> dict:
+    batch = batch or zoo.config(name, size)["batch"]
+    base_peak, base_flops = plain(name, size, batch, target=target)
+    rows = []
+    for pname, preset in PRESETS.items():
+        if preset.offload and target == "cpu":
+            continue  # XLA:CPU drops host placement: an offload preset is a save one there
+        peak, flops = plain(name, size, batch, preset, target)
+        rows.append({"preset": pname, "peak": peak, "flops": flops})
+        log(f"  {pname:<34} peak {measure.fmt_bytes(peak):>11}  {flops / 1e9:8.3f} GFLOP")
+    budget = int(statistics.median(r["peak"] for r in rows))
+    for r in rows:
+        r["fits"] = r["peak"] <= budget
+    peak, flops, notes = with_jaxmem(name, size, batch, budget, target)
+    log(f"  jaxmem at {measure.fmt_bytes(budget)}: peak {measure.fmt_bytes(peak)}, "
+        f"{flops / 1e9:.3f} GFLOP; {notes}")
+    best = min((r for r in rows if r["fits"]), key=lambda r: r["flops"])
+    return {"model": name, "batch": batch, "budget": budget, "plain_peak": base_peak,
+            "plain_flops": base_flops, "presets": rows, "best_preset": best["preset"],
+            "jaxmem": {"peak": peak, "flops": flops, "fits": peak <= budget, "notes": notes}}
+
+
+def markdown(maxb: Sequence[dict], presets: Sequence[dict]) -> str:
+    lines = []
+    if maxb:
+        lines += ["| model | budget | plain | per-layer nothing_saveable | jaxmem |",
+                  "|---|---|---|---|---|"]
+        for r in maxb:
+            lines.append(f"| {r['model']} | {measure.fmt_bytes(r['budget'])} | "
+                         f"{r['plain']['batch']} | {r['nothing_saveable']['batch']} | "
+                         f"{r['jaxmem']['batch']} |")
+    for p in presets:
+        lines += ["", f"{p['model']} at batch {p['batch']}, budget "
+                  f"{measure.fmt_bytes(p['budget'])} (plain jit: "
+                  f"{measure.fmt_bytes(p['plain_peak'])}, {p['plain_flops'] / 1e9:.3f} GFLOP)",
+                  "", "| preset | peak | GFLOP | recompute GFLOP | fits |", "|---|---|---|---|---|"]
+        rows = [*p["presets"], {"preset": "**jaxmem**", **p["jaxmem"]}]
+        for r in rows:
+            lines.append(f"| {r['preset']} | {measure.fmt_bytes(r['peak'])} | "
+                         f"{r['flops'] / 1e9:.3f} | {(r['flops'] - p['plain_flops']) / 1e9:.3f}"
+                         f" | {'yes' if r['fits'] else 'no'} |")
+        lines.append(f"\njaxmem: {p['jaxmem']['notes']}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.scan_plans",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="transformer_scan,llama_scan")
+    p.add_argument("--size", default="bench")
+    p.add_argument("--target", default="cpu")
+    p.add_argument("--tol", type=float, default=1 / 8)
+    p.add_argument("--batch", type=int, help="batch of the preset table (default the size's)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--no-maxbatch", action="store_true")
+    p.add_argument("--no-presets", action="store_true")
+    a = p.parse_args(argv)
+    log = lambda s: print(s, file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    a.out.mkdir(parents=True, exist_ok=True)
+    models = [m.strip() for m in a.models.split(",")]
+    maxb = [] if a.no_maxbatch else [run_maxbatch(m, a.size, a.tol, a.target, log)
+                                     for m in models]
+    presets = [] if a.no_presets else [run_presets(m, a.size, a.target, log, a.batch)
+                                       for m in models if m.startswith("llama")]
+    table = markdown(maxb, presets)
+    print(table)
+    from benchmarks.run import machine_info
+
+    meta = machine_info()
+    meta.update(command="python -m benchmarks.scan_plans " + " ".join(
+        sys.argv[1:] if argv is None else argv), seconds=round(time.perf_counter() - t0, 1))
+    stem = f"scan_plans_{a.target}" + ("_presets" if a.no_maxbatch else "") + (
+        "_maxbatch" if a.no_presets else "")
+    (a.out / f"{stem}.json").write_text(json.dumps(
+        {"meta": meta, "maxbatch": maxb, "presets": presets}, indent=2, default=str))
+    (a.out / f"{stem}.md").write_text(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
