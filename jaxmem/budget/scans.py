@@ -4,9 +4,9 @@ Third box of the data flow under a budget, for a step whose layers are one ``lax
 (:mod:`jaxmem.scans`). Each candidate :class:`~jaxmem.scans.BodyPolicy` is traced (cheap)
 to get its exact FLOPs (jaxmem's count, loops times their trip count, recompute included)
 and the bytes it keeps for the backward pass; candidates are then compiled in order of
-FLOPs, fewest first, skipping those whose predicted peak (the last compiled peak moved by
-the difference in kept bytes) is clearly over the budget, until one fits. The first that
-fits has the fewest recompute FLOPs among the candidates that fit, up to the skips' slack.
+FLOPs by bisection along the candidates no other beats on both FLOPs and kept bytes (their
+compiled peaks fall as their FLOPs rise): the one found has the fewest recompute FLOPs among
+the candidates that fit.
 
 :func:`choose` is the search over plain callables; :func:`choose_for` wires it to
 :class:`jaxmem.optimized.Optimized` (each candidate compiled as the whole step: the body
@@ -29,10 +29,6 @@ from jaxmem.program import Program
 from jaxmem.scans import BodyPolicy, BodyValue, body_values, candidates
 
 __all__ = ["BodyCandidate", "BodyChoice", "choose", "choose_for", "estimate"]
-
-# A candidate predicted this far over the budget (fraction of the budget) is not compiled.
-_SLACK = 0.10
-
 
 @dataclasses.dataclass(frozen=True)
 class BodyCandidate:
@@ -105,37 +101,38 @@ def _dominated(cands: Sequence[BodyCandidate]) -> list[BodyCandidate]:
 
 def choose(cands: Sequence[BodyCandidate], compile_with: Callable[[BodyPolicy], Figures],
            budget: int, *, max_compiles: int = 8) -> BodyChoice:
-    """Compile candidates, fewest FLOPs first, until one fits ``budget`` bytes.
+    """Compile candidates until the one with the fewest FLOPs that fits ``budget`` is found.
 
-    Candidates beaten on both FLOPs and kept bytes by another are left out; one predicted
-    more than 10% over the budget (the last compiled peak plus the difference in kept bytes)
-    is not compiled. If none fits, the lowest compiled peak is chosen (``fits=False``).
+    Candidates beaten on both FLOPs and kept bytes by another are left out; along the rest
+    (fewest FLOPs first, so most kept bytes first) the compiled peak falls, so a bisection
+    finds the first that fits in a few compiles: the one with the fewest kept bytes first
+    (if it does not fit, nothing does, and it is chosen with ``fits=False``), then halves.
     """
     debug = os.environ.get("JAXMEM_BUDGET_DEBUG")
     front = _dominated(cands)
     done: dict[str, BodyCandidate] = {}
-    last: BodyCandidate | None = None
-    for c in front:
-        if last is not None and last.compiled is not None:
-            predicted = last.compiled.peak + c.kept_bytes - last.kept_bytes
-            if predicted > budget * (1 + _SLACK):
-                continue
-        if len(done) >= max_compiles:
-            break
-        c = dataclasses.replace(c, compiled=compile_with(c.policy))
-        done[c.policy.name] = last = c
-        if debug:
-            print(f"jaxmem scan body: {c.row(budget)}")
-        if c.compiled.peak <= budget:
-            return BodyChoice(c, _merge(cands, done), budget, True)
-    if front and front[-1].policy.name not in done and len(done) < max_compiles + 1:
-        c = front[-1]  # the fewest kept bytes: the lowest peak to expect
-        c = dataclasses.replace(c, compiled=compile_with(c.policy))
-        done[c.policy.name] = c
-        if c.compiled.peak <= budget:
-            return BodyChoice(c, _merge(cands, done), budget, True)
-    best = min(done.values(), key=lambda c: (c.compiled.peak, c.flops))
-    return BodyChoice(best, _merge(cands, done), budget, False)
+
+    def peak(i: int) -> int:
+        c = front[i]
+        if c.policy.name not in done:
+            c = dataclasses.replace(c, compiled=compile_with(c.policy))
+            done[c.policy.name] = c
+            if debug:
+                print(f"jaxmem scan body: {c.row(budget)}")
+        return done[front[i].policy.name].compiled.peak
+
+    hi = len(front) - 1  # fits, once checked
+    if peak(hi) > budget:
+        best = min(done.values(), key=lambda c: (c.compiled.peak, c.flops))
+        return BodyChoice(best, _merge(cands, done), budget, False)
+    lo = -1  # does not fit (or is before the first)
+    while hi - lo > 1 and len(done) < max_compiles:
+        mid = (lo + hi) // 2
+        if peak(mid) <= budget:
+            hi = mid
+        else:
+            lo = mid
+    return BodyChoice(done[front[hi].policy.name], _merge(cands, done), budget, True)
 
 
 def _merge(cands: Sequence[BodyCandidate], done: dict[str, BodyCandidate]
