@@ -25,6 +25,7 @@ from jaxmem.budget import Pareto, plan_with_budget
 from jaxmem.budget.pareto import sweep
 from jaxmem.budget.scans import choose_for
 from jaxmem.liveness import liveness
+from jaxmem.losses import logits_notes
 from jaxmem.measure import Figures, fmt_bytes
 from jaxmem.plan import Decision, Plan
 from jaxmem.policies import utility
@@ -271,8 +272,9 @@ class Optimized:
         plan = dataclasses.replace(self._first_plan(analysis), donated=donated)
         planning = program.has_backward and self.strategy != "none"
         if planning and self.budget is not None:
-            plan = plan_with_budget(
-                analysis, self.budget, auto=plan,
+            plan = plan_with_budget(  # a body policy that fits alone: nothing outside first
+                analysis, self.budget,
+                auto=strategies.plan_none(analysis) if body and body.fits else plan,
                 compile_plan=lambda p: _figures(jit_plan(p), flat),
                 compile_plain=lambda: _figures(plain, flat),
                 device_peak=lambda p, fig: device_peak(program, p, fig, platform),
@@ -284,13 +286,16 @@ class Optimized:
             # also offloads kept residuals whose round trip hides under compute.
             plan = strategies.plan_offload(analysis, plan, offload=self.offload)
             plan = dataclasses.replace(plan, donated=donated)
+        plan = dataclasses.replace(plan, notes=plan.notes + logits_notes(analysis))
         compiled = None
         if (self.verify and self.budget is None and plan.recompute and not plan.offload):
             plan, compiled = self._verified(plan, analysis, jit_plan, plain, dyn_args, kwargs)
         # A budget the plain step already fits drops nothing: run the plain step itself (its
         # figures are the ones the budget was checked against).
-        nothing = self.budget is not None and not (plan.recompute or plan.offload)
-        jitted = plain if plan.strategy == "none" or nothing else jit_plan(plan)
+        nothing = (self.budget is not None and not (plan.recompute or plan.offload)
+                   and body is None)
+        jitted = (plain if (plan.strategy == "none" and body is None) or nothing
+                  else jit_plan(plan))
         return _Entry(analysis=analysis, plan=plan, jitted=jitted, donate_flat=donate_flat,
                       plain=plain, compiled=compiled)
 

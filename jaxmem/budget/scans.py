@@ -10,7 +10,8 @@ the candidates that fit.
 
 :func:`choose` is the search over plain callables; :func:`choose_for` wires it to
 :class:`jaxmem.optimized.Optimized` (each candidate compiled as the whole step: the body
-policy inside the scan, jaxmem's auto plan outside it).
+policy inside the scan, nothing dropped outside it; if no candidate fits so, the step's
+budget search plans the outside too, from the lowest-peak body policy).
 """
 
 from __future__ import annotations
@@ -147,6 +148,8 @@ def choose_for(opt: Any, fn: Callable[..., Any], dyn_args: tuple[Any, ...],
     from jaxmem import _jax
     from jaxmem.optimized import Optimized, _figures
     from jaxmem.program import trace
+    from jaxmem.rewrite import apply
+    from jaxmem.strategies import plan_none
 
     values: list[BodyValue] = body_values(trace(fn, *dyn_args, **kwargs))
     if not values:
@@ -169,7 +172,15 @@ def choose_for(opt: Any, fn: Callable[..., Any], dyn_args: tuple[Any, ...],
             entries[policy.name] = sub._prepare(dyn_args, kwargs)[0]  # noqa: SLF001
         return entries[policy.name]
 
+    def compiled(policy: BodyPolicy) -> Figures:
+        # The body policy alone, nothing dropped outside the scan: the fewest FLOPs. When
+        # none fits so, the step's own budget search plans the outside (optimized.py).
+        e = entry(policy)
+        keep_all = apply(e.analysis.program, plan_none(e.analysis))
+        return _figures(jax.jit(keep_all, donate_argnums=e.donate_flat, **opt.jit_kwargs),
+                        flat)
+
     # The plain step (same donation) is what a fractional budget is a fraction of.
     first = _dominated(cands)[0].policy
     budget = resolve_budget(opt.budget, _figures(entry(first).plain, flat).peak)
-    return choose(cands, lambda p: _figures(entry(p).jitted, flat), budget)
+    return choose(cands, compiled, budget)
