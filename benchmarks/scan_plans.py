@@ -1,20 +1,25 @@
 """Plans inside scan bodies against per-layer built-in policies and MaxText's presets.
 
 ``python -m benchmarks.scan_plans [--models transformer_scan,llama_scan] [--size bench]
-[--target cpu] [--out results/scan_plans] [--no-maxbatch] [--no-presets]``
+[--target cpu] [--out results/scan_plans] [--no-maxbatch] [--no-presets] [--check]``
 
 Two tables, compiled figures only (``jaxmem.measure``; the barrier flag on CPU; state donated):
 
 1. **Max batch in plain jit's memory.** Budget = the compiled peak of plain ``jax.jit`` at the
    size's batch. For ``plain``, per-layer ``nothing_saveable`` (``nn.remat`` around each
    scanned layer) and ``jaxmem.optimize(step, budget=<budget>)``, the largest batch whose
-   peak fits (``benchmarks.maxbatch.search``: secant steps, resolution ``--tol``).
+   peak fits (``benchmarks.maxbatch.search``: secant steps, resolution ``--tol``). With
+   ``--check``, jaxmem is planned once, at per-layer ``nothing_saveable``'s largest batch
+   (does it fit there too?), instead of searched.
 2. **MaxText presets at one budget** (models whose layers carry MaxText's names): each
    preset as MaxText applies it (``nn.remat(policy=preset)`` per layer), its peak, its FLOPs
    (jaxmem's count: loop bodies times their trip count, recompute included; XLA's
    ``cost_analysis`` counts a scan body once) and whether it fits; the budget is the median
    preset peak, so about half fit. Then ``jaxmem.optimize(step, budget=<that>)``: its peak,
    FLOPs and chosen body policy.
+3. With ``--loss`` (``--no-maxbatch --no-presets --loss`` for it alone): the Llama step with
+   the logits' cross-entropy and with ``chunk_loss=8`` (``chunked_cross_entropy``), plain jit
+   and jaxmem's default plan, and whether the plan notes the logits as the largest buffer.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import jax
 
 import jaxmem
 from benchmarks import zoo
-from benchmarks.maxbatch import search
+from benchmarks.maxbatch import Search, search
 from benchmarks.zoo.maxtext_presets import PRESETS
 from jaxmem import measure
 
@@ -75,7 +80,8 @@ def with_jaxmem(name: str, size: str, batch: int, budget: int, target: str = "cp
     return plan.compiled.peak, flops, notes
 
 
-def run_maxbatch(name: str, size: str, tol: float, target: str, log: Any) -> dict:
+def run_maxbatch(name: str, size: str, tol: float, target: str, log: Any,
+                 check: bool = False) -> dict:
     start = zoo.config(name, size)["batch"]
     budget, _ = plain(name, size, start, target=target)
     log(f"{name}: budget {measure.fmt_bytes(budget)} (plain jit at batch {start})")
@@ -87,8 +93,17 @@ def run_maxbatch(name: str, size: str, tol: float, target: str, log: Any) -> dic
         "jaxmem": lambda b: with_jaxmem(name, size, b, budget, target)[0],
     }
     for variant, peak_of in variants.items():
-        s = search(peak_of, budget, start, tol=tol, variant=variant,
-                   known={start: budget} if variant == "plain" else None)
+        if variant == "jaxmem" and check:
+            # Is jaxmem's batch at or above nothing_saveable's? One plan at that batch.
+            b = out["nothing_saveable"]["batch"]
+            t = time.perf_counter()
+            peak = peak_of(b)
+            fits = peak <= budget
+            s = Search(variant, b if fits else 0, peak, None if fits else b, 1,
+                       time.perf_counter() - t, trail=[(b, peak, fits)])
+        else:
+            s = search(peak_of, budget, start, tol=tol, variant=variant,
+                       known={start: budget} if variant == "plain" else None)
         out[variant] = dataclasses.asdict(s)
         log(f"  {variant:<17} -> batch {s.batch} ({s.compiles} compiles, {s.seconds:.0f}s)")
     return out
@@ -117,7 +132,27 @@ def run_presets(name: str, size: str, target: str, log: Any, batch: int | None =
             "jaxmem": {"peak": peak, "flops": flops, "fits": peak <= budget, "notes": notes}}
 
 
-def markdown(maxb: Sequence[dict], presets: Sequence[dict]) -> str:
+def run_loss(name: str, size: str, target: str, log: Any, chunks: int = 8,
+             batch: int | None = None) -> list[dict]:
+    """Plain jit and jaxmem's default plan with the logits' loss and with the chunked one."""
+    rows = []
+    for chunk in (0, chunks):
+        w = zoo._make(name, size, batch, None, 0, abstract=True,  # noqa: SLF001
+                      overrides={"chunk_loss": chunk})
+        args = w.args if target == "cpu" else jaxmem.targets.place(w.args, target)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plan = jaxmem.optimize(w.step, donate_argnums=DONATE).plan(*args)
+        notes = [n for n in plan.notes if "largest buffer" in n]
+        rows.append({"model": name, "chunk_loss": chunk, "plain_peak": plan.baseline.peak,
+                     "jaxmem_peak": plan.compiled.peak, "note": notes[0] if notes else ""})
+        log(f"  chunk_loss={chunk}: plain {measure.fmt_bytes(plan.baseline.peak)}, jaxmem "
+            f"{measure.fmt_bytes(plan.compiled.peak)}")
+    return rows
+
+
+def markdown(maxb: Sequence[dict], presets: Sequence[dict],
+             loss: Sequence[dict] = ()) -> str:
     lines = []
     if maxb:
         lines += ["| model | budget | plain | per-layer nothing_saveable | jaxmem |",
@@ -137,6 +172,14 @@ def markdown(maxb: Sequence[dict], presets: Sequence[dict]) -> str:
                          f"{r['flops'] / 1e9:.3f} | {(r['flops'] - p['plain_flops']) / 1e9:.3f}"
                          f" | {'yes' if r['fits'] else 'no'} |")
         lines.append(f"\njaxmem: {p['jaxmem']['notes']}")
+    if loss:
+        lines += ["", "| model | loss | plain jit | jaxmem (default plan) | logits note |",
+                  "|---|---|---|---|---|"]
+        for r in loss:
+            what = f"chunked ({r['chunk_loss']} token chunks)" if r["chunk_loss"] else "logits"
+            lines.append(f"| {r['model']} | {what} | {measure.fmt_bytes(r['plain_peak'])} | "
+                         f"{measure.fmt_bytes(r['jaxmem_peak'])} | "
+                         f"{'yes' if r['note'] else 'no'} |")
     return "\n".join(lines)
 
 
@@ -151,16 +194,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--no-maxbatch", action="store_true")
     p.add_argument("--no-presets", action="store_true")
+    p.add_argument("--loss", action="store_true", help="also the loss table: logits vs "
+                   "chunk_loss=8, plain jit and jaxmem's default plan")
+    p.add_argument("--check", action="store_true", help="jaxmem only at nothing_saveable's "
+                   "largest batch (one plan) instead of its own search")
     a = p.parse_args(argv)
     log = lambda s: print(s, file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     a.out.mkdir(parents=True, exist_ok=True)
     models = [m.strip() for m in a.models.split(",")]
-    maxb = [] if a.no_maxbatch else [run_maxbatch(m, a.size, a.tol, a.target, log)
+    maxb = [] if a.no_maxbatch else [run_maxbatch(m, a.size, a.tol, a.target, log, a.check)
                                      for m in models]
     presets = [] if a.no_presets else [run_presets(m, a.size, a.target, log, a.batch)
                                        for m in models if m.startswith("llama")]
-    table = markdown(maxb, presets)
+    loss = [r for m in models if a.loss and m.startswith("llama")
+            for r in run_loss(m, a.size, a.target, log, batch=a.batch)]
+    table = markdown(maxb, presets, loss)
     print(table)
     from benchmarks.run import machine_info
 
@@ -168,9 +217,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta.update(command="python -m benchmarks.scan_plans " + " ".join(
         sys.argv[1:] if argv is None else argv), seconds=round(time.perf_counter() - t0, 1))
     stem = f"scan_plans_{a.target}" + ("_presets" if a.no_maxbatch else "") + (
-        "_maxbatch" if a.no_presets else "")
+        "_maxbatch" if a.no_presets else "") + ("_loss" if a.loss else "")
     (a.out / f"{stem}.json").write_text(json.dumps(
-        {"meta": meta, "maxbatch": maxb, "presets": presets}, indent=2, default=str))
+        {"meta": meta, "maxbatch": maxb, "presets": presets, "loss": loss}, indent=2,
+        default=str))
     (a.out / f"{stem}.md").write_text(table + "\n")
     return 0
 
