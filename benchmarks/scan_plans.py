@@ -18,8 +18,8 @@ Two tables, compiled figures only (``jaxmem.measure``; the barrier flag on CPU; 
    preset peak, so about half fit. Then ``jaxmem.optimize(step, budget=<that>)``: its peak,
    FLOPs and chosen body policy.
 3. With ``--loss`` (``--no-maxbatch --no-presets --loss`` for it alone): the Llama step with
-   the logits' cross-entropy and with ``chunk_loss=8`` (``chunked_cross_entropy``), plain jit
-   and jaxmem's default plan, and whether the plan notes the logits as the largest buffer.
+   the logits' cross-entropy and with ``chunk_loss=8`` (``chunked_cross_entropy``): plain
+   jit's peak, and whether jaxmem's plan notes the logits as the largest buffer.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from benchmarks import zoo
 from benchmarks.maxbatch import Search, search
 from benchmarks.zoo.maxtext_presets import PRESETS
 from jaxmem import measure
+from jaxmem.losses import logits_notes
 
 DONATE = (0,)
 DEFAULT_OUT = Path("results/scan_plans")
@@ -133,21 +134,23 @@ def run_presets(name: str, size: str, target: str, log: Any, batch: int | None =
 
 
 def run_loss(name: str, size: str, target: str, log: Any, chunks: int = 8,
-             batch: int | None = None) -> list[dict]:
-    """Plain jit and jaxmem's default plan with the logits' loss and with the chunked one."""
+             batch: int | None = None, vocab: int | None = None) -> list[dict]:
+    """Plain jit's peak with the logits' loss and with the chunked one, and whether jaxmem's
+    plan notes the logits as the largest buffer (``vocab`` overrides the size's)."""
     rows = []
     for chunk in (0, chunks):
+        over = {"chunk_loss": chunk, **({"vocab": vocab} if vocab else {})}
         w = zoo._make(name, size, batch, None, 0, abstract=True,  # noqa: SLF001
-                      overrides={"chunk_loss": chunk})
+                      overrides=over)
         args = w.args if target == "cpu" else jaxmem.targets.place(w.args, target)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            plan = jaxmem.optimize(w.step, donate_argnums=DONATE).plan(*args)
-        notes = [n for n in plan.notes if "largest buffer" in n]
-        rows.append({"model": name, "chunk_loss": chunk, "plain_peak": plan.baseline.peak,
-                     "jaxmem_peak": plan.compiled.peak, "note": notes[0] if notes else ""})
-        log(f"  chunk_loss={chunk}: plain {measure.fmt_bytes(plan.baseline.peak)}, jaxmem "
-            f"{measure.fmt_bytes(plan.compiled.peak)}")
+        jitted = jax.jit(w.step, donate_argnums=DONATE)
+        peak = measure.figures(measure.compile(jitted.lower(*args))).peak
+        notes = logits_notes(jaxmem.analyze(w.step, *args))
+        v = vocab or zoo.config(name, size)["vocab"]
+        rows.append({"model": name, "vocab": v, "chunk_loss": chunk,
+                     "plain_peak": peak, "note": notes[0] if notes else ""})
+        log(f"  vocab {v} chunk_loss={chunk}: plain {measure.fmt_bytes(peak)}"
+            f"; note: {bool(notes)}")
     return rows
 
 
@@ -173,12 +176,12 @@ def markdown(maxb: Sequence[dict], presets: Sequence[dict],
                          f" | {'yes' if r['fits'] else 'no'} |")
         lines.append(f"\njaxmem: {p['jaxmem']['notes']}")
     if loss:
-        lines += ["", "| model | loss | plain jit | jaxmem (default plan) | logits note |",
+        lines += ["", "| model | vocab | loss | plain jit peak | plan notes the logits |",
                   "|---|---|---|---|---|"]
         for r in loss:
             what = f"chunked ({r['chunk_loss']} token chunks)" if r["chunk_loss"] else "logits"
-            lines.append(f"| {r['model']} | {what} | {measure.fmt_bytes(r['plain_peak'])} | "
-                         f"{measure.fmt_bytes(r['jaxmem_peak'])} | "
+            lines.append(f"| {r['model']} | {r['vocab']} | {what} | "
+                         f"{measure.fmt_bytes(r['plain_peak'])} | "
                          f"{'yes' if r['note'] else 'no'} |")
     return "\n".join(lines)
 
@@ -196,6 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-presets", action="store_true")
     p.add_argument("--loss", action="store_true", help="also the loss table: logits vs "
                    "chunk_loss=8, plain jit and jaxmem's default plan")
+    p.add_argument("--vocab", type=int, help="vocabulary of the loss table (default the size's)")
     p.add_argument("--check", action="store_true", help="jaxmem only at nothing_saveable's "
                    "largest batch (one plan) instead of its own search")
     a = p.parse_args(argv)
@@ -208,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     presets = [] if a.no_presets else [run_presets(m, a.size, a.target, log, a.batch)
                                        for m in models if m.startswith("llama")]
     loss = [r for m in models if a.loss and m.startswith("llama")
-            for r in run_loss(m, a.size, a.target, log, batch=a.batch)]
+            for r in run_loss(m, a.size, a.target, log, batch=a.batch, vocab=a.vocab)]
     table = markdown(maxb, presets, loss)
     print(table)
     from benchmarks.run import machine_info
