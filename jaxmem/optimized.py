@@ -274,7 +274,8 @@ class Optimized:
         if planning and self.budget is not None:
             plan = plan_with_budget(  # a body policy that fits alone: nothing outside first
                 analysis, self.budget,
-                auto=strategies.plan_none(analysis) if body and body.fits else plan,
+                auto=(strategies.plan_auto(analysis, max_recompute_fraction=0.0)
+                      if body and body.fits else plan),
                 compile_plan=lambda p: _figures(jit_plan(p), flat),
                 compile_plain=lambda: _figures(plain, flat),
                 device_peak=lambda p, fig: device_peak(program, p, fig, platform),
@@ -306,7 +307,9 @@ class Optimized:
         policy ``remat_scans`` is)."""
         if self.remat_scans and self.strategy != "none":
             policy = policy or (utility if self.remat_scans is True else self.remat_scans)
-            bodies = TrainBodies(self.max_recompute_fraction, self.verify)  # grad accumulation
+            bodies = TrainBodies(lambda body: Optimized(  # gradient-accumulation loops
+                body, donate_argnums=(), verify=self.verify,
+                max_recompute_fraction=self.max_recompute_fraction))
             with _jax.checkpointed_scan_bodies(policy, bodies):
                 program = trace(fn, *dyn_args, **kwargs)
             self._loop_plans = tuple(bodies.plans)

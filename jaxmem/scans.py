@@ -36,7 +36,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -295,13 +296,12 @@ class TrainBodies:
     planned, for the outer plan's notes.
     """
 
-    def __init__(self, max_recompute_fraction: float = 0.05, verify: bool = True) -> None:
-        self.max_recompute_fraction = max_recompute_fraction
-        self.verify = verify
+    def __init__(self, optimizer: Callable[[Callable[..., Any]], Any]) -> None:
+        # ``optimizer(step)``: the Optimized that plans a body (jaxmem.optimize's settings).
+        self.optimizer = optimizer
         self.plans: list[Any] = []
 
     def __call__(self, f: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        from jaxmem.optimized import Optimized
         from jaxmem.program import TraceError, trace
 
         init, xs = _scan_operands(args, kwargs)
@@ -316,10 +316,7 @@ class TrainBodies:
             return None  # not traceable on its own: left to the policy
         # The body is a train step: plan it as one (verified against its own plain jit on the
         # arguments' target, so a body plan is never worse than the plain body).
-        sub = Optimized(converted, donate_argnums=(), verify=self.verify,
-                        max_recompute_fraction=self.max_recompute_fraction)
-        import warnings
-
+        sub = self.optimizer(converted)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             entry = sub._prepare(example, {})[0]  # noqa: SLF001

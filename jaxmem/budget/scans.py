@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 
+from jaxmem import measure, targets
 from jaxmem.analysis import from_program
 from jaxmem.budget.units import resolve_budget
 from jaxmem.measure import Figures, fmt_bytes
@@ -141,15 +142,20 @@ def _merge(cands: Sequence[BodyCandidate], done: dict[str, BodyCandidate]
     return tuple(done.get(c.policy.name, c) for c in cands)
 
 
+def _figures(jitted: Any, flat: Sequence[Any]) -> Figures:
+    """Compiled figures of ``jitted`` the jaxmem way, for the arguments' target."""
+    platform = targets.platform_of(flat) or jax.default_backend()
+    return measure.compiled_figures(measure.compile(jitted.lower(*flat)), jitted, flat,
+                                    platform=platform)
+
+
 def choose_for(opt: Any, fn: Callable[..., Any], dyn_args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> BodyChoice | None:
     """The body policy for ``opt`` (an :class:`~jaxmem.optimized.Optimized` with a budget)
-    on ``fn(*dyn_args, **kwargs)``; ``None`` when the step scans no differentiated layer."""
+    on ``fn(*dyn_args, **kwargs)``; ``None`` when the step scans no differentiated layer.
+    Candidates are compiled as ``type(opt)`` steps (no import of the entry point here)."""
     from jaxmem import _jax
-    from jaxmem.optimized import Optimized, _figures
     from jaxmem.program import trace
-    from jaxmem.rewrite import apply
-    from jaxmem.strategies import plan_none
 
     values: list[BodyValue] = body_values(trace(fn, *dyn_args, **kwargs))
     if not values:
@@ -165,20 +171,18 @@ def choose_for(opt: Any, fn: Callable[..., Any], dyn_args: tuple[Any, ...],
     entries: dict[str, Any] = {}
 
     def entry(policy: BodyPolicy) -> Any:
+        # The body policy with no recompute outside the scan (an auto plan capped at zero
+        # FLOPs): the fewest FLOPs. When none fits so, the step's own budget search plans
+        # the outside too (optimized.py).
         if policy.name not in entries:
-            sub = Optimized(fn, strategy=opt.strategy, donate_argnums=opt.donate_argnums,
-                            max_recompute_fraction=opt.max_recompute_fraction, verify=False,
-                            remat_scans=policy, **opt.jit_kwargs)
+            sub = type(opt)(fn, strategy=opt.strategy, donate_argnums=opt.donate_argnums,
+                            max_recompute_fraction=0.0, verify=False, remat_scans=policy,
+                            **opt.jit_kwargs)
             entries[policy.name] = sub._prepare(dyn_args, kwargs)[0]  # noqa: SLF001
         return entries[policy.name]
 
     def compiled(policy: BodyPolicy) -> Figures:
-        # The body policy alone, nothing dropped outside the scan: the fewest FLOPs. When
-        # none fits so, the step's own budget search plans the outside (optimized.py).
-        e = entry(policy)
-        keep_all = apply(e.analysis.program, plan_none(e.analysis))
-        return _figures(jax.jit(keep_all, donate_argnums=e.donate_flat, **opt.jit_kwargs),
-                        flat)
+        return _figures(entry(policy).jitted, flat)
 
     # The plain step (same donation) is what a fractional budget is a fraction of.
     first = _dominated(cands)[0].policy
