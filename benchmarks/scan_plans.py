@@ -14,9 +14,9 @@ Two tables, compiled figures only (``jaxmem.measure``; the barrier flag on CPU; 
 2. **MaxText presets at one budget** (models whose layers carry MaxText's names): each
    preset as MaxText applies it (``nn.remat(policy=preset)`` per layer), its peak, its FLOPs
    (jaxmem's count: loop bodies times their trip count, recompute included; XLA's
-   ``cost_analysis`` counts a scan body once) and whether it fits; the budget is the median
-   preset peak, so about half fit. Then ``jaxmem.optimize(step, budget=<that>)``: its peak,
-   FLOPs and chosen body policy.
+   ``cost_analysis`` counts a scan body once) and whether it fits; the budget lies between
+   the median preset peak and the next larger one, so about half fit. Then
+   ``jaxmem.optimize(step, budget=<that>)``: its peak, FLOPs and chosen body policy.
 3. With ``--loss`` (``--no-maxbatch --no-presets --loss`` for it alone): the Llama step with
    the logits' cross-entropy and with ``chunk_loss=8`` (``chunked_cross_entropy``): plain
    jit's peak, and whether jaxmem's plan notes the logits as the largest buffer.
@@ -121,7 +121,11 @@ def run_presets(name: str, size: str, target: str, log: Any, batch: int | None =
         peak, flops = plain(name, size, batch, preset, target)
         rows.append({"preset": pname, "peak": peak, "flops": flops})
         log(f"  {pname:<34} peak {measure.fmt_bytes(peak):>11}  {flops / 1e9:8.3f} GFLOP")
-    budget = int(statistics.median(r["peak"] for r in rows))
+    # Between the median preset peak and the next larger one: about half fit, and the budget
+    # is not one preset's compiled peak to the byte.
+    median = statistics.median(r["peak"] for r in rows)
+    above = sorted(r["peak"] for r in rows if r["peak"] > median)
+    budget = int((median + above[0]) / 2) if above else int(median)
     for r in rows:
         r["fits"] = r["peak"] <= budget
     peak, flops, notes = with_jaxmem(name, size, batch, budget, target)

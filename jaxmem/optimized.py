@@ -271,11 +271,14 @@ class Optimized:
         plain = self._plain(fn, jax.tree_util.tree_structure((dyn_args, kwargs)), donate_flat)
         plan = dataclasses.replace(self._first_plan(analysis), donated=donated)
         planning = program.has_backward and self.strategy != "none"
-        if planning and self.budget is not None:
-            plan = plan_with_budget(  # a body policy that fits alone: nothing outside first
-                analysis, self.budget,
-                auto=(strategies.plan_auto(analysis, max_recompute_fraction=0.0)
-                      if body and body.fits else plan),
+        if planning and body is not None and body.fits:
+            # The body policy fits with no recompute outside the scan (compiled so).
+            plan = dataclasses.replace(
+                strategies.plan_auto(analysis, max_recompute_fraction=0.0), donated=donated,
+                strategy="budget: scan body", budget=body.budget, notes=body.notes)
+        elif planning and self.budget is not None:
+            plan = plan_with_budget(
+                analysis, self.budget, auto=plan,
                 compile_plan=lambda p: _figures(jit_plan(p), flat),
                 compile_plain=lambda: _figures(plain, flat),
                 device_peak=lambda p, fig: device_peak(program, p, fig, platform),
