@@ -331,28 +331,50 @@ def is_tracer(x: Any) -> bool:
 _SCAN_PATCH_LOCK = __import__("threading").RLock()
 
 
+def under_differentiation() -> bool:
+    """Whether JAX is tracing for a derivative right now (a JVP or linearize trace)."""
+    from jax._src import core
+    from jax._src.interpreters import ad
+
+    kinds = tuple(k for k in (getattr(ad, "JVPTrace", None), getattr(ad, "LinearizeTrace", None))
+                  if k is not None)
+    return isinstance(core.trace_ctx.trace, kinds)
+
+
 @contextlib.contextmanager
-def checkpointed_scan_bodies(policy: Any) -> Iterator[None]:
+def checkpointed_scan_bodies(policy: Any, plan_body: Any = None) -> Iterator[None]:
     """While tracing, run every ``lax.scan`` body under ``jax.checkpoint(policy=policy)``.
 
     The joint-jaxpr rewrite keeps a scan whole, so per-layer remat inside a scanned stack
     (``nn.scan``, ``nnx.scan``, hand-written ``lax.scan``) must be asked for before AD runs.
-    JAX has no global hook for that; this swaps ``jax.lax.scan`` for a wrapper for the
-    duration of one trace, under a lock, and always restores it. Callers that imported
-    ``scan`` by name before this runs are not affected (flax and jaxmem look it up on
-    ``jax.lax`` at call time).
+    JAX has no global hook for that; this swaps ``jax.lax.scan`` (and the ``scan`` that
+    ``fori_loop`` calls) for a wrapper for the duration of one trace, under a lock, and
+    always restores it. Callers that imported ``scan`` by name before this runs are not
+    affected (flax and jaxmem look it up on ``jax.lax`` at call time).
+
+    ``plan_body(f, init, xs, kwargs)``, if given, is asked first about every scan met outside
+    differentiation; a function it returns replaces the body (a body that holds its own
+    forward and backward: gradient accumulation), ``None`` keeps the policy.
     """
     import functools
 
-    original = jax.lax.scan
+    from jax._src.lax.control_flow import loops
 
-    @functools.wraps(original)
-    def scan(f: Any, *args: Any, **kwargs: Any) -> Any:
-        return original(jax.checkpoint(f, policy=policy, prevent_cse=False), *args, **kwargs)
+    original, original_loops = jax.lax.scan, loops.scan
+
+    def wrap(orig: Any) -> Any:
+        @functools.wraps(orig)
+        def scan(f: Any, *args: Any, **kwargs: Any) -> Any:
+            if plan_body is not None and not under_differentiation():
+                planned = plan_body(f, args, kwargs)
+                if planned is not None:
+                    return orig(planned, *args, **kwargs)
+            return orig(jax.checkpoint(f, policy=policy, prevent_cse=False), *args, **kwargs)
+        return scan
 
     with _SCAN_PATCH_LOCK:
-        jax.lax.scan = scan
+        jax.lax.scan, loops.scan = wrap(original), wrap(original_loops)
         try:
             yield
         finally:
-            jax.lax.scan = original
+            jax.lax.scan, loops.scan = original, original_loops

@@ -24,12 +24,15 @@ from jaxmem import _jax, arguments, measure, plan_cache, state_offload, strategi
 from jaxmem.analysis import Analysis, from_program
 from jaxmem.budget import BudgetError, Pareto, parse_budget, plan_with_budget, resolve_budget
 from jaxmem.budget.pareto import sweep
+from jaxmem.budget.scans import choose_for
 from jaxmem.liveness import liveness
+from jaxmem.losses import logits_notes
 from jaxmem.measure import Figures, fmt_bytes
 from jaxmem.plan import Decision, Plan
 from jaxmem.policies import utility
 from jaxmem.program import Program, backward_in_units, check_leaves, from_jaxpr, trace
 from jaxmem.rewrite import apply
+from jaxmem.scans import TrainBodies, loop_plan
 from jaxmem.tags import offload_tagged, offload_tags_out_of_reach
 
 STRATEGIES = ("auto", "none")
@@ -115,7 +118,7 @@ class Optimized:
                  static_argnames: str | Sequence[str] | None = None,
                  donate_argnums: int | Sequence[int] | str | None = "auto",
                  max_recompute_fraction: float = 0.05, verify: bool = True,
-                 remat_scans: bool = True, offload_state: Any = False,
+                 remat_scans: bool | Callable[..., Any] = True, offload_state: Any = False,
                  **jit_kwargs: Any) -> None:
         if not (callable(offload_state) or offload_state in state_offload.MODES):
             raise ValueError(f"offload_state must be True, False, 'opt', 'auto' or a predicate "
@@ -294,7 +297,10 @@ class Optimized:
     def _build(self, args: tuple[Any, ...], static: tuple[int, ...], dyn_args: tuple[Any, ...],
                kwargs: dict[str, Any], static_kw: dict[str, Any], leaf_static: Any) -> _Entry:
         fn = self._bound(args, static, static_kw, leaf_static)
-        program = self._trace(fn, dyn_args, kwargs)
+        body = None  # a budget picks the scan bodies' policy too (jaxmem.budget.scans)
+        if self.budget is not None and self.remat_scans is True and self.strategy != "none":
+            body = choose_for(self, fn, dyn_args, kwargs)
+        program = self._trace(fn, dyn_args, kwargs, None if body is None else body.policy)
         analysis = from_program(program)
         flat = jax.tree_util.tree_leaves((dyn_args, kwargs))
         platform = targets.platform_of(flat) or jax.default_backend()
@@ -318,13 +324,15 @@ class Optimized:
             stream_state = False
         else:
             plan, compiled, stream_state = self._make_plan(analysis, jit_plan, plain, dyn_args,
-                                                           kwargs, donated, platform)
+                                                           kwargs, donated, platform, body)
             if key:
                 plan_cache.store(key, plan)
         # A budget the plain step already fits drops nothing: run the plain step itself (its
         # figures are the ones the budget was checked against).
-        nothing = self.budget is not None and not (plan.recompute or plan.offload)
-        jitted = plain if plan.strategy == "none" or nothing else jit_plan(plan)
+        nothing = (self.budget is not None and not (plan.recompute or plan.offload)
+                   and body is None)
+        jitted = (plain if (plan.strategy == "none" and body is None) or nothing
+                  else jit_plan(plan))
         host_state: tuple[int, ...] = ()
         if stream_state:
             jitted, info = state_offload.wrap(jitted, program, (dyn_args, kwargs), flat,
@@ -345,7 +353,7 @@ class Optimized:
 
     def _make_plan(self, analysis: Analysis, jit_plan: Callable[[Plan], Any], plain: Any,
                    dyn_args: tuple[Any, ...], kwargs: dict[str, Any], donated: tuple[int, ...],
-                   platform: str) -> tuple[Plan, Any, bool]:
+                   platform: str, body: Any = None) -> tuple[Plan, Any, bool]:
         """Plan the step (compiling candidates on its target); the chosen plan's executable
         when one was compiled on the way; whether the optimizer state streams from host
         memory (``offload_state``)."""
@@ -365,7 +373,12 @@ class Optimized:
         planning = program.has_backward and self.strategy != "none"
         # "auto": only where a budget needs it (state_offload.with_budget decides)
         stream_state = self.offload_state is not False and self.offload_state != "auto"
-        if planning and self.budget is not None:
+        if planning and body is not None and body.fits:
+            # The body policy fits with no recompute outside the scan (compiled so).
+            plan = dataclasses.replace(
+                strategies.plan_auto(analysis, max_recompute_fraction=0.0), donated=donated,
+                strategy="budget: scan body", budget=body.budget, notes=body.notes)
+        elif planning and self.budget is not None:
             auto = plan
             plan, stream_state = state_offload.with_budget(
                 lambda b: plan_with_budget(
@@ -378,7 +391,8 @@ class Optimized:
                 self.offload_state and state_offload.preview(
                     program, (dyn_args, kwargs), self.offload_state, flat),
                 lambda: _figures(plain, flat).peak, _profile_of(flat))
-            plan = dataclasses.replace(plan, donated=donated)
+            plan = dataclasses.replace(plan, donated=donated,
+                                       notes=plan.notes + (body.notes if body else ()))
             # the executable the search compiled for the chosen plan runs the first call
             compiled = exes.get(_rewrite_key(plan) if plan.recompute or plan.offload else None)
         elif planning and (self.offload is True or offload_tagged(analysis)):
@@ -388,6 +402,7 @@ class Optimized:
             plan = dataclasses.replace(plan, donated=donated)
         if self.budget is not None and not planning:
             plan, compiled = self._unplanned_budget(plan, analysis, plain, flat)
+        plan = dataclasses.replace(plan, notes=plan.notes + logits_notes(analysis))
         if (self.verify and self.budget is None and plan.recompute and not plan.offload):
             plan, compiled = self._verified(plan, analysis, jit_plan, plain, dyn_args, kwargs)
         elif self.verify and self.budget is None and plan.offload:
@@ -396,18 +411,26 @@ class Optimized:
         return plan, compiled, stream_state
 
     def _trace(self, fn: Callable[..., Any], dyn_args: tuple[Any, ...],
-               kwargs: dict[str, Any]) -> Program:
+               kwargs: dict[str, Any], policy: Any = None) -> Program:
         """The step's program; scan bodies under jax.checkpoint(policies.utility) when
-        ``remat_scans`` (the joint rewrite keeps a scan whole)."""
+        ``remat_scans`` (the joint rewrite keeps a scan whole), or under ``policy`` (or the
+        policy ``remat_scans`` is)."""
         if self.remat_scans and self.strategy != "none":
-            with _jax.checkpointed_scan_bodies(utility):
+            policy = policy or (utility if self.remat_scans is True else self.remat_scans)
+            bodies = TrainBodies(lambda body: Optimized(  # gradient-accumulation loops
+                body, donate_argnums=(), verify=self.verify,
+                max_recompute_fraction=self.max_recompute_fraction))
+            with _jax.checkpointed_scan_bodies(policy, bodies):
                 program = trace(fn, *dyn_args, **kwargs)
-            if program.has_backward:
+            self._loop_plans = tuple(bodies.plans)
+            if program.has_backward or bodies.plans:
                 return program
         return trace(fn, *dyn_args, **kwargs)  # nothing differentiated: trace it untouched
 
     def _first_plan(self, analysis: Analysis) -> Plan:
         """MEDL's auto plan, or keep everything (``strategy="none"``, no backward pass)."""
+        if not analysis.program.has_backward and getattr(self, "_loop_plans", ()):
+            return loop_plan(analysis, self._loop_plans)
         if not analysis.program.has_backward:
             if not self._warned_no_backward:
                 warnings.warn(f"jaxmem.optimize: {_why_unplanned(self.fn, analysis)}; running "
@@ -708,7 +731,8 @@ def optimize(fn: Callable[..., Any] | None = None, *, budget: Any = None,
              static_argnames: str | Sequence[str] | None = None,
              donate_argnums: int | Sequence[int] | str | None = "auto",
              max_recompute_fraction: float = 0.05, verify: bool = True,
-             remat_scans: bool = True, offload_state: Any = False, **jit_kwargs: Any) -> Any:
+             remat_scans: bool | Callable[..., Any] = True, offload_state: Any = False,
+             **jit_kwargs: Any) -> Any:
     """Jit a train step so that it needs less accelerator memory, with the same results.
 
     jaxmem traces the step (which calls ``jax.grad``/``value_and_grad`` and an optimizer
@@ -733,7 +757,10 @@ def optimize(fn: Callable[..., Any] | None = None, *, budget: Any = None,
         ``jax.jit``, at two or three extra compiles on the first call.
       remat_scans: run the bodies of ``lax.scan`` (``nn.scan``/``nnx.scan`` stacks) under
         ``jax.checkpoint(policy=jaxmem.policies.utility)`` while tracing, so layers inside a
-        scan save only their heavy outputs too (the joint rewrite keeps a scan whole).
+        scan save only their heavy outputs too (the joint rewrite keeps a scan whole). With
+        a ``budget``, the body's policy is planned too: per value in the layer (MaxText's
+        tagged names, or each matmul) keep, recompute or offload, the fewest FLOPs that fit
+        (:mod:`jaxmem.budget.scans`). A ``jax.checkpoint`` policy here is used as given.
       offload_state: keep the optimizer state (adam's moments) in ``pinned_host`` memory
         between steps and stream it through the update one layer at a time
         (:mod:`jaxmem.state_offload`, docs/state_offload.md). ``True``/``"opt"``: the

@@ -137,13 +137,16 @@ def linen_train_step(
     *,
     batch_norm: bool = False,
     abstract: bool = False,
+    loss: Callable[[Any, jax.Array], jax.Array] | None = None,
 ) -> tuple[StepFn, GradFn, State]:
     """A value_and_grad + optax train step for a linen ``model`` called as ``model(x)``.
 
     BatchNorm statistics (``batch_stats``) are a mutable collection updated by the forward
     pass and carried in the state; dropout draws from a key split off ``state["rng"]``.
+    ``loss(model output, labels)`` defaults to :func:`cross_entropy` of the logits.
     Returns ``(step, loss_and_grads, state)``.
     """
+    loss = loss or cross_entropy
     k_init, k_drop = jax.random.split(key)
     rngs = {"params": k_init, "dropout": k_drop}
     example = data["x"][:1]  # shapes of the parameters do not depend on the batch size
@@ -160,7 +163,7 @@ def linen_train_step(
             variables["batch_stats"] = state["batch_stats"]
         out = model.apply(variables, batch["x"], rngs={"dropout": dropout_key}, mutable=mutable)
         logits, updates = out if batch_norm else (out, {})
-        return cross_entropy(logits, batch["y"]), updates
+        return loss(logits, batch["y"]), updates
 
     def loss_and_grads(state: State, batch: Batch) -> tuple[jax.Array, PyTree]:
         _, dropout_key = jax.random.split(state["rng"])

@@ -59,6 +59,7 @@ from benchmarks.zoo._common import cross_entropy as _cross_entropy
 from benchmarks.zoo._common import linen_train_step as _linen_train_step
 from benchmarks.zoo._common import token_data as _token_data
 from benchmarks.zoo.maxtext_presets import PRESETS
+from jaxmem.chunked import chunked_cross_entropy
 
 __all__ = [
     "BUILDERS",
@@ -85,15 +86,17 @@ _MAX_CONCRETE_PARAMS = 200_000_000
 
 _SIZES: dict[str, dict[str, Any]] = {
     "test": dict(batch=2, seq=16, vocab=128, d_model=32, layers=2, heads=4, kv_heads=2, ffn=64,
-                 tie_embeddings=False, rope_theta=10_000.0, dropout=0.0),
+                 tie_embeddings=False, rope_theta=10_000.0, dropout=0.0, chunk_loss=0),
     "bench": dict(batch=4, seq=256, vocab=2048, d_model=256, layers=6, heads=8, kv_heads=2,
-                  ffn=768, tie_embeddings=False, rope_theta=10_000.0, dropout=0.0),
+                  ffn=768, tie_embeddings=False, rope_theta=10_000.0, dropout=0.0, chunk_loss=0),
     # Llama-3.2-1B (config.json of meta-llama/Llama-3.2-1B; its llama3 rope scaling is left out).
     "1b": dict(batch=4, seq=4096, vocab=128_256, d_model=2048, layers=16, heads=32, kv_heads=8,
-               ffn=8192, tie_embeddings=True, rope_theta=500_000.0, dropout=0.0),
+               ffn=8192, tie_embeddings=True, rope_theta=500_000.0, dropout=0.0,
+               chunk_loss=0),
     # Llama-3-8B (config.json of meta-llama/Meta-Llama-3-8B).
     "8b": dict(batch=1, seq=4096, vocab=128_256, d_model=4096, layers=32, heads=32, kv_heads=8,
-               ffn=14_336, tie_embeddings=False, rope_theta=500_000.0, dropout=0.0),
+               ffn=14_336, tie_embeddings=False, rope_theta=500_000.0, dropout=0.0,
+               chunk_loss=0),
 }
 
 #: Builder keyword arguments per zoo name and size, in the format of ``jaxmem.zoo``'s table.
@@ -126,6 +129,9 @@ class LlamaConfig:
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-5
     dropout: float = 0.0
+    # > 0: the loss is jaxmem.chunked.chunked_cross_entropy over this many token chunks (the
+    # model returns the normed hidden states and the head; no [tokens, vocab] logits).
+    chunk_loss: int = 0
 
     def __post_init__(self):
         if self.d_model % self.heads:
@@ -363,6 +369,8 @@ class Llama(nn.Module):
         else:
             head = self.param("lm_head", _kernel_init((1,), (0,)), (cfg.vocab, cfg.d_model),
                               jnp.float32)
+        if cfg.chunk_loss:
+            return _rms_norm(x, final_norm, cfg.norm_eps), head.astype(_COMPUTE)
         return _logits(x, final_norm, head, cfg)
 
 
@@ -389,8 +397,20 @@ def _build_linen(*, key, rng, seed, policy, abstract, batch, seq, scan, **model)
     # A typed "rbg" dropout key, as the zoo's transformers (and MaxText) configure JAX.
     rng = jax.random.key(seed, impl="rbg")
     step, grads, state = _linen_train_step(Llama(cfg, scan, policy), _adamw(), km, rng, data,
-                                           abstract=abstract)
+                                           abstract=abstract, loss=_loss(cfg))
     return Built(step, grads, state, data, cfg.layers)
+
+
+def _loss(cfg: LlamaConfig) -> Callable[[Any, jax.Array], jax.Array] | None:
+    """The chunked loss of ``cfg.chunk_loss`` token chunks (None: cross-entropy of logits)."""
+    if not cfg.chunk_loss:
+        return None
+
+    def loss(out: tuple[jax.Array, jax.Array], labels: jax.Array) -> jax.Array:
+        hidden, head = out
+        return chunked_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head.T,
+                                     labels.reshape(-1), token_chunks=cfg.chunk_loss)
+    return loss
 
 
 def _adamw() -> optax.GradientTransformation:
@@ -471,6 +491,8 @@ class NNXLlama(nnx.Module):
         keys = jax.random.split(key, cfg.layers) if cfg.dropout else None
         x = forward(x, self.layers, keys)
         head = self.embedding if self.lm_head is None else self.lm_head
+        if cfg.chunk_loss:
+            return _rms_norm(x, self.final_norm[...], cfg.norm_eps), head[...].astype(_COMPUTE)
         return _logits(x, self.final_norm[...], head[...], cfg)
 
 
@@ -490,7 +512,7 @@ def _build_nnx_scan(*, key, rng, seed, policy, abstract, batch, seq, **model):
         model = nnx.merge(graphdef, params, rest)
         with named_scopes(model):  # layer paths in the name stack, as nnx users are told
             logits = model(batch["x"], dropout_key, policy)
-        return _cross_entropy(logits, batch["y"])
+        return (_loss(cfg) or _cross_entropy)(logits, batch["y"])
 
     def loss_and_grads(state: State, batch: Batch) -> tuple[jax.Array, PyTree]:
         _, dropout_key = jax.random.split(state["rng"])
