@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxmem import _jax, measure, strategies, targets
+from jaxmem import _jax, measure, strategies, structure, targets
 from jaxmem.analysis import Analysis, from_program
 from jaxmem.budget import Pareto, plan_with_budget
 from jaxmem.budget.pareto import sweep
@@ -251,7 +251,7 @@ class Optimized:
     def _build(self, args: tuple[Any, ...], static: tuple[int, ...], dyn_args: tuple[Any, ...],
                kwargs: dict[str, Any], static_kw: dict[str, Any]) -> _Entry:
         fn = self._bound(args, static, static_kw)
-        program = self._trace(fn, dyn_args, kwargs)
+        program = structure.label(self._trace(fn, dyn_args, kwargs))
         analysis = from_program(program)
         flat = jax.tree_util.tree_leaves((dyn_args, kwargs))
         platform = targets.platform_of(flat) or jax.default_backend()
