@@ -124,6 +124,8 @@ def render(records: list[dict[str, Any]]) -> str:
                 return "not run"
             if r.get("error") == "BudgetError":
                 return f"BudgetError (min {_mib(r.get('minimum'))})"
+            if r.get("error", "").startswith("subprocess"):
+                return "killed (" + r["error"].split(": ", 1)[-1] + ")"
             if "error" in r:
                 return "error: " + r["error"].split(":")[0]
             if plain:
@@ -142,7 +144,10 @@ def render(records: list[dict[str, Any]]) -> str:
     if savings:
         lines += ["", f"Mean saving of jaxmem auto: {100 * sum(savings) / len(savings):.1f}% "
                   f"over {len(savings)} models."]
-    lines += ["", "Variants: " + "; ".join(f"`{k}`: {v}" for k, v in DESCRIPTIONS.items()) + "."]
+    lines += ["", "auto ≥ best policy: jaxmem auto's peak is below, or within 0.5% of, the "
+              "lower of the two whole-loss policies. killed (timeout): the model's subprocess "
+              "ran past --timeout.", "",
+              "Variants: " + "; ".join(f"`{k}`: {v}" for k, v in DESCRIPTIONS.items()) + "."]
     return "\n".join(lines) + "\n"
 
 
