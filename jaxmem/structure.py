@@ -36,6 +36,9 @@ from jaxmem.program import Node, Program
 __all__ = ["label", "names_informative", "residual_adds"]
 
 _ADDS = frozenset({"add", "add_any"})
+#: Above this many forward nodes the ancestor sets (one bitset per value) are not built and
+#: no residual add is reported: names, or no blocks, as before this module.
+_MAX_FORWARD = 20_000
 
 
 def _heavy_depths(program: Program) -> dict[int, int]:
@@ -71,7 +74,7 @@ def _is_float(program: Program, v: int) -> bool:
 def residual_adds(program: Program) -> tuple[int, ...]:
     """Indices of the forward nodes that add a block's output to the value it came from."""
     forward = [n for n in program.nodes if n.phase == "forward"]
-    if not forward:
+    if not forward or len(forward) > _MAX_FORWARD:
         return ()
     depth = _heavy_depths(program)
     anc = _ancestors(program, forward[-1].index + 1)
