@@ -29,6 +29,7 @@ SECTIONS: list[tuple[str, str, list[str] | None]] = [
     ("jaxmem.policies", "jaxmem.policies", None),
     ("jaxmem.primitives", "jaxmem.primitives", ["Kind", "classify", "register"]),
     ("jaxmem.chains", "jaxmem.chains", None),
+    ("jaxmem.structure", "jaxmem.structure", None),
     ("jaxmem.strategies", "jaxmem.strategies", None),
     ("jaxmem.budget", "jaxmem.budget",
      ["plan_with_budget", "Candidate", "greedy", "exact", "Pareto", "ParetoRow"]),

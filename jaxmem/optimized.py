@@ -20,7 +20,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxmem import _jax, arguments, measure, plan_cache, state_offload, strategies, targets
+from jaxmem import (_jax, arguments, measure, plan_cache, state_offload, strategies,
+                    structure, targets)
 from jaxmem.analysis import Analysis, from_program
 from jaxmem.budget import BudgetError, Pareto, parse_budget, plan_with_budget, resolve_budget
 from jaxmem.budget.pareto import sweep
@@ -300,7 +301,8 @@ class Optimized:
         body = None  # a budget picks the scan bodies' policy too (jaxmem.budget.scans)
         if self.budget is not None and self.remat_scans is True and self.strategy != "none":
             body = choose_for(self, fn, dyn_args, kwargs)
-        program = self._trace(fn, dyn_args, kwargs, None if body is None else body.policy)
+        program = structure.label(
+            self._trace(fn, dyn_args, kwargs, None if body is None else body.policy))
         analysis = from_program(program)
         flat = jax.tree_util.tree_leaves((dyn_args, kwargs))
         platform = targets.platform_of(flat) or jax.default_backend()

@@ -156,7 +156,8 @@ def auto_candidates(analysis: Analysis, *, max_recompute_fraction: float = 0.05
     3. per-block ``dots_saveable`` as a plan (:func:`plan_blocks` with ``keep_heavy``):
        every cheap value re-created with its block, dropout masks from the key included;
     4. the same with the heavy outputs that are large but cheap to redo (attention scores)
-       re-created too, within the FLOP cap (:func:`plan_selective`).
+       re-created too, within the FLOP cap (:func:`plan_selective`);
+    5. per-block ``dots_saveable`` with the whole step as one block (depth 0).
 
     Candidates whose predicted recompute exceeds ``max_recompute_fraction`` of the step's
     FLOPs, or that drop nothing, are left out; duplicates too. The caller compiles them on
@@ -175,6 +176,9 @@ def auto_candidates(analysis: Analysis, *, max_recompute_fraction: float = 0.05
                 recompute_flops=recompute_cost(analysis, auto.recompute, d)))
         out.append(plan_blocks(analysis, d, keep_heavy=True))
         out.append(plan_selective(analysis, d, max_recompute_fraction=max_recompute_fraction))
+    # 5. the whole step as one block with heavy outputs kept: jax.checkpoint(dots_saveable)
+    #    around the whole loss, what users compare against (issue 16's external table).
+    out.append(plan_blocks(analysis, 0, keep_heavy=True))
     seen: set[tuple] = set()
     keep = []
     for p in out:

@@ -1,0 +1,215 @@
+"""``python -m benchmarks.external``: the second benchmark table, on other people's models.
+
+Each model of :mod:`benchmarks.external.models` is compiled under five variants, each in the
+same subprocess per model (so that one crash or time-out costs one row, not the table):
+
+- ``plain``: ``jax.jit(step, donate_argnums=(0,))``;
+- ``dots``/``nothing``: the model's whole loss function under ``jax.checkpoint(policy=
+  jax.checkpoint_policies.dots_saveable / nothing_saveable)``, then jitted the same way;
+- ``auto``: ``jaxmem.optimize(step, donate_argnums=(0,))``;
+- ``budget50``: ``jaxmem.optimize(step, budget=0.5, donate_argnums=(0,))`` (a
+  ``BudgetError`` is recorded as such, with the smallest peak jaxmem found).
+
+The figure is the compiled peak of :mod:`jaxmem.measure` (argument + output + temp - alias
+of XLA's ``memory_analysis()``, per device; the CPU barrier flag for every variant alike).
+``--target h100`` compiles for an H100 without the device (:mod:`jaxmem.targets`).
+
+Usage::
+
+    python -m benchmarks.external --target h100 --size bench --out benchmarks/results/external
+    python -m benchmarks.external table benchmarks/results/external/h100-bench.json
+
+Per-model results land in ``OUT/<target>-<size>/<model>.json`` as they finish; the combined
+``OUT/<target>-<size>.json`` and its markdown table are written at the end (and by
+``table``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+VARIANTS = ("plain", "dots", "nothing", "auto", "budget50")
+DESCRIPTIONS = {
+    "plain": "jax.jit(step), state donated",
+    "dots": "jax.checkpoint(loss, policy=dots_saveable), whole loss",
+    "nothing": "jax.checkpoint(loss, policy=nothing_saveable), whole loss",
+    "auto": "jaxmem.optimize(step) (strategy auto)",
+    "budget50": "jaxmem.optimize(step, budget=0.5)",
+}
+
+
+def _measure_one(model: str, size: str, target: str, variants: list[str],
+                 path: Path) -> dict[str, Any]:
+    """Compile ``model`` under each variant; write the JSON record to ``path`` after each."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    import jaxmem
+    from benchmarks.external import models
+    from jaxmem import measure
+
+    t0 = time.perf_counter()
+    w = models.make(model, size)
+    rec: dict[str, Any] = {"model": model, "library": w.library, "size": size,
+                           "target": target, "description": w.description,
+                           "build_s": round(time.perf_counter() - t0, 1), "variants": {}}
+    args = (w.state, w.batch)
+    if target != "cpu":
+        args = jaxmem.targets.place(args, target)
+    platform = jaxmem.targets.platform_of(args) or "cpu"
+    policies = {"dots": jax.checkpoint_policies.dots_saveable,
+                "nothing": jax.checkpoint_policies.nothing_saveable}
+    for v in variants:
+        r: dict[str, Any] = {}
+        t0 = time.perf_counter()
+        try:
+            if v in ("auto", "budget50"):
+                kw = {"budget": 0.5} if v == "budget50" else {}
+                opt = jaxmem.optimize(w.make_step(), donate_argnums=(0,), **kw)
+                plan = opt.plan(*args)
+                f = plan.compiled
+                r["strategy"] = str(getattr(plan, "strategy", ""))
+            else:
+                wrap = (lambda fn: fn) if v == "plain" else (
+                    lambda fn, p=policies[v]: jax.checkpoint(fn, policy=p))
+                jitted = jax.jit(w.make_step(wrap), donate_argnums=(0,))
+                compiled = measure.compile(jitted.lower(*args))
+                f = measure.compiled_figures(compiled, jitted, args, platform=platform)
+            r.update(peak=f.peak, argument=f.argument, output=f.output, temp=f.temp,
+                     alias=f.alias, flops=f.flops)
+        except jaxmem.BudgetError as e:
+            r.update(error="BudgetError", minimum=getattr(e, "minimum_bytes", None),
+                     requested=getattr(e, "requested_bytes", None))
+        except Exception as e:  # noqa: BLE001 - recorded; the table goes on
+            r["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            r["traceback"] = traceback.format_exc()[-2000:]
+        r["seconds"] = round(time.perf_counter() - t0, 1)
+        rec["variants"][v] = r
+        path.write_text(json.dumps(rec, indent=1))
+        print(f"  {model} {v}: {r.get('peak', r.get('error'))} ({r['seconds']} s)",
+              file=sys.stderr, flush=True)
+    return rec
+
+
+def _mib(n: float | None) -> str:
+    return "–" if n is None else f"{n / 2**20:.1f}"
+
+
+def render(records: list[dict[str, Any]]) -> str:
+    """The markdown table of ``records``: peaks in MiB and savings against plain jit."""
+    if not records:
+        return "(no results)\n"
+    target, size = records[0]["target"], records[0]["size"]
+    head = ("| model | library | plain MiB | dots_saveable | nothing_saveable | jaxmem auto "
+            "| jaxmem 50% budget | auto ≥ best policy |")
+    lines = [f"Target `{target}`, size `{size}`. Compiled peak in MiB (change vs plain jit; "
+             "negative = saved).", "",
+             head, "|" + "---|" * 8]
+    savings = []
+    for rec in records:
+        vs = rec["variants"]
+        plain = vs.get("plain", {}).get("peak")
+
+        def cell(v: str, vs=vs, plain=plain) -> str:
+            r = vs.get(v)
+            if r is None:
+                return "not run"
+            if r.get("error") == "BudgetError":
+                return f"BudgetError (min {_mib(r.get('minimum'))})"
+            if r.get("error", "").startswith("subprocess"):
+                return "killed (" + r["error"].split(": ", 1)[-1] + ")"
+            if "error" in r:
+                return "error: " + r["error"].split(":")[0]
+            if plain:
+                s = 100 * (1 - r["peak"] / plain)
+                return f"{_mib(r['peak'])} ({'-' if s >= 0 else '+'}{abs(s):.1f}%)"
+            return _mib(r["peak"])
+
+        best = [vs[v]["peak"] for v in ("dots", "nothing") if "peak" in vs.get(v, {})]
+        auto = vs.get("auto", {}).get("peak")
+        ok = "–"
+        if auto is not None and best and plain:
+            ok = "yes" if auto <= min(best) * 1.005 else "no"
+            savings.append(1 - auto / plain)
+        lines.append(f"| {rec['model']} | {rec['library']} | {_mib(plain)} | {cell('dots')} "
+                     f"| {cell('nothing')} | {cell('auto')} | {cell('budget50')} | {ok} |")
+    if savings:
+        lines += ["", f"Mean saving of jaxmem auto: {100 * sum(savings) / len(savings):.1f}% "
+                  f"over {len(savings)} models."]
+    lines += ["", "auto ≥ best policy: jaxmem auto's peak is below, or within 0.5% of, the "
+              "lower of the two whole-loss policies. killed (timeout): the model's subprocess "
+              "ran past --timeout.", "",
+              "Variants: " + "; ".join(f"`{k}`: {v}" for k, v in DESCRIPTIONS.items()) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def _write(out: Path, stem: str, records: list[dict[str, Any]]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(records, indent=1))
+    (out / f"{stem}.md").write_text(render(records))
+
+
+def _collect(out: Path, stem: str, order: list[str]) -> list[dict[str, Any]]:
+    d = out / stem
+    recs = {p.stem: json.loads(p.read_text()) for p in d.glob("*.json")} if d.exists() else {}
+    return [recs[m] for m in order if m in recs] + [r for m, r in recs.items() if m not in order]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["table"]:
+        for path in argv[1:]:
+            recs = json.loads(Path(path).read_text())
+            Path(path).with_suffix(".md").write_text(render(recs))
+            print(render(recs))
+        return 0
+    from benchmarks.external.models import MODELS
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.external", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="cpu", help="cpu, or a jaxmem.targets name (h100)")
+    p.add_argument("--size", default="bench", choices=("test", "bench"))
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--out", default="benchmarks/results/external", type=Path)
+    p.add_argument("--timeout", default=3600, type=int, help="seconds per model")
+    p.add_argument("--one", help=argparse.SUPPRESS)  # run one model in this process
+    a = p.parse_args(argv)
+    stem = f"{a.target}-{a.size}"
+    variants = a.variants.split(",")
+    if a.one:
+        (a.out / stem).mkdir(parents=True, exist_ok=True)
+        _measure_one(a.one, a.size, a.target, variants, a.out / stem / f"{a.one}.json")
+        return 0
+    order = a.models.split(",")
+    for m in order:
+        print(f"{m} ...", file=sys.stderr, flush=True)
+        cmd = [sys.executable, "-m", "benchmarks.external", "--one", m, "--size", a.size,
+               "--target", a.target, "--variants", a.variants, "--out", str(a.out)]
+        try:
+            rc = subprocess.run(cmd, timeout=a.timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        if rc != 0:  # keep the variants it finished; mark the rest
+            path = a.out / stem / f"{m}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            rec = json.loads(path.read_text()) if path.exists() else {
+                "model": m, "library": "?", "size": a.size, "target": a.target, "variants": {}}
+            for v in variants:
+                rec["variants"].setdefault(v, {"error": f"subprocess: {rc}"})
+            path.write_text(json.dumps(rec, indent=1))
+        _write(a.out, stem, _collect(a.out, stem, list(MODELS)))
+    print(render(_collect(a.out, stem, list(MODELS))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
