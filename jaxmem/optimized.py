@@ -20,8 +20,16 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxmem import (_jax, arguments, measure, plan_cache, state_offload, strategies,
-                    structure, targets)
+from jaxmem import (
+    _jax,
+    arguments,
+    measure,
+    plan_cache,
+    state_offload,
+    strategies,
+    structure,
+    targets,
+)
 from jaxmem.analysis import Analysis, from_program
 from jaxmem.budget import BudgetError, Pareto, parse_budget, plan_with_budget, resolve_budget
 from jaxmem.budget.pareto import sweep
