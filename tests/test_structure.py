@@ -40,7 +40,8 @@ def _residual_mlp():
 
 
 def _hk_decoder():
-    hk = pytest.importorskip("haiku")
+    import haiku as hk
+
     from benchmarks.external.models import hk_decoder_forward
 
     layers, seq, vocab = 2, 32, 128
@@ -58,7 +59,7 @@ def _hk_decoder():
 
 
 def _hk_resnet():
-    hk = pytest.importorskip("haiku")
+    import haiku as hk
 
     def forward(x):
         net = hk.nets.ResNet(blocks_per_group=(1, 1, 1, 1), num_classes=10, bottleneck=False,
