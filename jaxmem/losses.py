@@ -13,8 +13,8 @@ Example:
   >>> def loss(h, w, y):
   ...     return optax.softmax_cross_entropy_with_integer_labels(h @ w, y).mean()
   >>> an = jaxmem.analyze(loss, jnp.ones((64, 8)), jnp.ones((8, 4096)), jnp.zeros(64, int))
-  >>> print(logits_notes(an)[0][:34])
-  the logits f32[64,4096] (1.00 MiB)
+  >>> print(logits_notes(an)[0][:33])
+  the logits f32[64,4096] (1.00 MiB
 """
 
 from __future__ import annotations

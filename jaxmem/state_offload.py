@@ -424,11 +424,7 @@ def wrap(jitted: Any, program: Program, args: Any, flat: Sequence[Any],
             f"memory kind to live in, but the {platform} device has "
             f"{sorted(kinds) or 'none'}; pass offload_state=False, or compile for a target "
             "with host memory (GPU, TPU, CPU)")
-    vals = [program.values[v] for v in program.outputs]
-    outs = jax.tree_util.tree_unflatten(program.out_tree, [
-        jax.ShapeDtypeStruct(v.shape, v.aval.dtype if v.aval is not None else v.dtype)
-        for v in vals])
-    inputs, outputs, names = select(program, args, outs, mode)
+    inputs, outputs, names = select(program, args, _out_shapes(program), mode)
     if not inputs:
         return jitted, None
     fn, groups, largest = stream(jitted.__wrapped__, flat, inputs, outputs)
@@ -437,15 +433,18 @@ def wrap(jitted: Any, program: Program, args: Any, flat: Sequence[Any],
     return jax.jit(fn, donate_argnums=tuple(donate_flat), **jit_kwargs), info
 
 
+def _out_shapes(program: Program) -> Any:
+    """The step's outputs as ``ShapeDtypeStruct`` s, in their pytree."""
+    return jax.tree_util.tree_unflatten(program.out_tree, [
+        jax.ShapeDtypeStruct(v.shape, v.aval.dtype if v.aval is not None else v.dtype)
+        for v in (program.values[o] for o in program.outputs)])
+
+
 def preview(program: Program, args: Any, mode: bool | str | Predicate,
             flat: Sequence[Any]) -> StateOffload | None:
     """What offloading the state would move, from the step's own program (before any
     rewrite): the :class:`StateOffload` :func:`wrap` would carry out, or None."""
-    vals = [program.values[v] for v in program.outputs]
-    outs = jax.tree_util.tree_unflatten(program.out_tree, [
-        jax.ShapeDtypeStruct(v.shape, v.aval.dtype if v.aval is not None else v.dtype)
-        for v in vals])
-    inputs, outputs, names = select(program, args, outs, mode)
+    inputs, outputs, names = select(program, args, _out_shapes(program), mode)
     if not inputs:
         return None
     state = frozenset(program.inputs[i] for i in inputs)

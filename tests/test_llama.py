@@ -28,22 +28,13 @@ from flax import nnx
 
 from benchmarks.zoo import llama
 from benchmarks.zoo.maxtext_presets import NAMES, PRESETS
-from jaxmem import measure
+from tests._fast_compile import fast_compile
 
 BF16_RTOL = 2.0**-6
 # LLVM at -O0 halves CPU compile time, and XLA:CPU's older loop emitters (no fusion
 # emitters) take a third of the time again; every program compared is compiled the same way,
 # and these tests check values, not speed.
-_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
-
-
-def _compile(lowered):
-    try:
-        return measure.compile(lowered, _FAST_COMPILE)
-    except Exception as e:  # an XLA without the emitter option: -O0 alone
-        if "xla_cpu_use_fusion_emitters" not in str(e):
-            raise
-        return measure.compile(lowered, {"xla_backend_optimization_level": 0})
+_compile = fast_compile
 
 
 @functools.cache

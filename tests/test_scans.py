@@ -23,17 +23,9 @@ from jaxmem import _jax, measure
 from jaxmem.budget.scans import choose_for
 from jaxmem.program import trace
 from jaxmem.scans import MAXTEXT, BodyPolicy, body_values, candidates, preset_policy
+from tests._fast_compile import fast_compile
 
-_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
-
-
-def _compile(lowered):
-    try:
-        return measure.compile(lowered, _FAST_COMPILE)
-    except Exception as e:  # an XLA without the emitter option: -O0 alone
-        if "xla_cpu_use_fusion_emitters" not in str(e):
-            raise
-        return measure.compile(lowered, {"xla_backend_optimization_level": 0})
+_compile = fast_compile
 
 BF16_RTOL = 2.0**-6
 
