@@ -368,7 +368,7 @@ class Optimized:
         when one was compiled on the way; whether the optimizer state streams from host
         memory (``offload_state``)."""
         program, flat = analysis.program, jax.tree_util.tree_leaves((dyn_args, kwargs))
-        compiled, exes = None, {}
+        compiled, exes, plain_figures = None, {}, {}
 
         def compile_plan(p: Plan) -> Figures:
             jitted = jit_plan(p)
@@ -376,8 +376,12 @@ class Optimized:
             return _read(exe, jitted, flat)
 
         def compile_plain() -> Figures:
-            exe = exes[None] = measure.compile(plain.lower(*flat))
-            return _read(exe, plain, flat)
+            # The plain step is the same program however often a search asks: compiled once
+            # (the state-offload path runs up to two searches and reads the plain peak too).
+            if None not in plain_figures:
+                exe = exes[None] = measure.compile(plain.lower(*flat))
+                plain_figures[None] = _read(exe, plain, flat)
+            return plain_figures[None]
 
         plan = dataclasses.replace(self._first_plan(analysis), donated=donated)
         planning = program.has_backward and self.strategy != "none"
@@ -400,7 +404,7 @@ class Optimized:
                 self.budget, self.offload_state,
                 self.offload_state and state_offload.preview(
                     program, (dyn_args, kwargs), self.offload_state, flat),
-                lambda: _figures(plain, flat).peak, _profile_of(flat))
+                lambda: compile_plain().peak, _profile_of(flat))
             plan = dataclasses.replace(plan, donated=donated,
                                        notes=plan.notes + (body.notes if body else ()))
             # the executable the search compiled for the chosen plan runs the first call
