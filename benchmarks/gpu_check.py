@@ -103,12 +103,10 @@ def _spawn(model: str, variant: str, size: str, target: str, cache: str) -> dict
     return out
 
 
-def _fmt(b: float) -> str:
-    return f"{b / 2**20:.2f} MiB"
-
-
 def markdown(rows: list[dict[str, Any]]) -> str:
     """One row per (model, variant): deviceless, on-device and real peak, real/deviceless."""
+    from jaxmem.measure import fmt_bytes
+
     lines = ["| model | variant | deviceless | compiled on device | real (memory_stats) | "
              "real / deviceless |", "|---|---|---:|---:|---:|---:|"]
     for r in rows:
@@ -116,8 +114,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             lines.append(f"| {r['model']} | {r['variant']} | error: "
                          f"{r['error'].splitlines()[-1][:80]} | | | |")
             continue
-        lines.append(f"| {r['model']} | {r['variant']} | {_fmt(r['deviceless'])} | "
-                     f"{_fmt(r['on_device'])} | {_fmt(r['real'])} | "
+        lines.append(f"| {r['model']} | {r['variant']} | {fmt_bytes(r['deviceless'])} | "
+                     f"{fmt_bytes(r['on_device'])} | {fmt_bytes(r['real'])} | "
                      f"{r['real'] / r['deviceless']:.3f} |")
     return "\n".join(lines)
 
