@@ -9,6 +9,10 @@ is stopped keeps what it did.
 
     nice -n 10 python -m benchmarks.differential --seconds 3600 --out
         benchmarks/results/differential.json
+
+``--target h100`` compiles every variant for a compile-only target instead (abstract
+arguments placed on it, :mod:`jaxmem.targets`): nothing runs, so only the memory promises
+are checked there (budgets met or ``BudgetError``, peaks never above plain jit's).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.difftest.check import OBSERVED, STRATEGIES  # noqa: E402
+from tests.difftest.check import OBSERVED, STRATEGIES, TARGET_STRATEGIES  # noqa: E402
 from tests.difftest.generator import generate  # noqa: E402
 from tests.difftest.runner import run_pack  # noqa: E402
 
@@ -37,8 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pack-size", type=int, default=10)
     ap.add_argument("--max-ops", type=int, default=6)
     ap.add_argument("--all-strategies", action="store_true")
-    ap.add_argument("--strategies", default=",".join(STRATEGIES),
-                    help="comma-separated subset of " + ",".join(STRATEGIES))
+    ap.add_argument("--strategies", default=None,
+                    help="comma-separated subset of " + ",".join(STRATEGIES)
+                    + " (with --target: of " + ",".join(TARGET_STRATEGIES) + ")")
+    ap.add_argument("--target", default=None,
+                    help="compile for this jaxmem.targets target (e.g. h100) from abstract "
+                         "arguments: memory promises only (budgets, peaks), nothing runs")
     ap.add_argument("--max-compiles", type=int, default=6)
     ap.add_argument("--out", default="benchmarks/results/differential.json")
     a = ap.parse_args(argv)
@@ -49,9 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     while steps < a.count and (a.seconds is None or time.perf_counter() - t0 < a.seconds):
         size = 1 if packs % 5 == 4 else a.pack_size
         cases = [generate(s, max_ops=a.max_ops) for s in range(seed, seed + size)]
-        strategies = a.strategies.split(",")
+        strategies = (a.strategies.split(",") if a.strategies
+                      else list(TARGET_STRATEGIES if a.target else STRATEGIES))
         chosen = strategies if a.all_strategies else [strategies[packs % len(strategies)]]
-        for r in run_pack(cases, chosen, max_compiles=a.max_compiles):
+        for r in run_pack(cases, chosen, max_compiles=a.max_compiles, target=a.target):
             checks[r.strategy] += len(cases)
             for f in r.findings:
                 failures.append({"seeds": r.seeds, "strategy": f.strategy, "kind": f.kind,
@@ -69,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
             "budget_violations": sum(f["kind"] == "budget" for f in failures),
             "peak_above_plain": sum(f["kind"] == "peak" for f in failures),
             "errors": sum(f["kind"] == "error" for f in failures),
-            "observed": OBSERVED, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "target": a.target or "cpu", "observed": OBSERVED,
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "failures": failures[:200], "ops_per_family": dict(families.most_common()),
             "args": vars(a)}
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)

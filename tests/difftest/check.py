@@ -13,6 +13,11 @@ returns a list of :class:`Finding`\\ s; empty means the promises held:
   compiles to a peak of at most ``B`` (on CPU, plans that offload are checked against the
   plan's own device-peak estimate, since XLA:CPU strips host placement).
 
+With ``target`` (a :mod:`jaxmem.targets` name such as ``"h100"``) the step is compiled for
+that target instead, from abstract arguments placed on it: nothing runs, so only the
+memory promises are checked there (budgets met or ``BudgetError``; peaks never above
+plain), on the compiler the plan was made for.
+
 Strategies: ``auto``, ``auto_donate`` (state donated), ``budget`` (int bytes, a fraction
 of plain's peak), ``budget_frac`` (a float fraction), ``offload`` (``offload=True``) and
 ``blocks`` (``jaxmem.strategies.plan_blocks`` at each depth, rewritten and jitted).
@@ -34,6 +39,9 @@ from jaxmem import measure
 from tests.difftest.generator import Case, init, make_step
 
 STRATEGIES = ("auto", "budget", "offload", "blocks", "auto_donate", "budget_frac")
+#: What a compile-only target checks (nothing runs there, so no values; no jaxmem-side
+#: block rewrite either, which has no peak promise).
+TARGET_STRATEGIES = ("auto", "budget", "offload", "auto_donate", "budget_frac")
 
 #: relative tolerance of float outputs, per dtype of the worst path in the program: f32
 #: programs differ by XLA's fusion choices (re-associated reductions, FMA contraction) only;
@@ -128,19 +136,27 @@ def _optimized_peak(opt: Any, args: tuple[Any, ...]) -> tuple[int, Any]:
 def check(step: Callable[..., Any], args: tuple[Any, ...], strategy: str, *,
           rtol: float = RTOL_F32, fraction: float = 0.6, of_headroom: bool = True,
           max_compiles: int = 6,
-          reference: tuple[Any, int] | None = None) -> list[Finding]:
+          reference: tuple[Any, int] | None = None, target: Any = None) -> list[Finding]:
     """Check one step under one strategy (see the module doc). ``reference``: the plain
     executable and peak from :func:`plain_peak`, to share one compile between strategies.
     Budgets are ``fraction`` of the headroom above arguments + outputs, or of the whole
-    plain peak (``of_headroom=False``)."""
+    plain peak (``of_headroom=False``). ``target``: compile for this
+    :mod:`jaxmem.targets` target (``args`` are placed on it; memory promises only)."""
     donate = (0,) if strategy == "auto_donate" else ()
+    if target is not None:
+        if strategy not in TARGET_STRATEGIES:
+            raise ValueError(f"strategy {strategy!r} runs the step; on a compile-only target "
+                             f"use one of {TARGET_STRATEGIES}")
+        args = jaxmem.targets.get(target).place(args)
     if reference is None or donate:
         reference = plain_peak(step, args, donate)
     exe, base = reference
-    want = exe(*_copy(args))
+    want = exe(*_copy(args)) if target is None else None
     found: list[Finding] = []
 
     def outputs(fn: Callable[..., Any]) -> None:
+        if target is not None:
+            return  # nothing runs on a compile-only target
         got = fn(*_copy(args))
         found.extend(Finding("mismatch", strategy, d) for d in compare(want, got, rtol))
 
@@ -164,11 +180,15 @@ def check(step: Callable[..., Any], args: tuple[Any, ...], strategy: str, *,
                                       donate_argnums=())
                 try:
                     peak, plan = _optimized_peak(opt, args)
-                except jaxmem.BudgetError:
+                except jaxmem.BudgetError as e:
                     OBSERVED["budget_error"] += 1
+                    if e.minimum_bytes is not None and e.minimum_bytes <= limit:
+                        found.append(Finding("budget", strategy,
+                                             f"BudgetError for {limit} B, but its minimum "
+                                             f"found is {e.minimum_bytes} B"))
                     return found
                 OBSERVED["budget_met"] += 1
-                if plan.offload and jax.default_backend() == "cpu":
+                if plan.offload and target is None and jax.default_backend() == "cpu":
                     peak = min(peak, _estimate(plan, peak))
                 if peak > limit:
                     found.append(Finding("budget", strategy,
@@ -180,7 +200,7 @@ def check(step: Callable[..., Any], args: tuple[Any, ...], strategy: str, *,
             opt = jaxmem.optimize(step, donate_argnums=donate or (), **kw)
             peak, plan = _optimized_peak(opt, args)
             outputs(opt)
-            if plan.offload:
+            if plan.offload and target is None:
                 from jaxmem.optimized import device_peak
                 peak = device_peak(opt.analysis(*args).program, plan,
                                    measure.figures(opt.lower(*args).compile()))[0]

@@ -11,6 +11,7 @@ import dataclasses
 import time
 from collections.abc import Iterable, Sequence
 
+import jaxmem
 from tests.difftest.check import STRATEGIES, Finding, check, pack, plain_peak, tolerance
 from tests.difftest.generator import Case, generate
 
@@ -27,7 +28,8 @@ def run_pack(cases: Sequence[Case], strategies: Iterable[str], **kw) -> list[Res
     step, states, batches = pack(cases)
     args = (states, batches)
     t0 = time.perf_counter()
-    ref = plain_peak(step, args)
+    target = kw.get("target")
+    ref = plain_peak(step, args if target is None else jaxmem.targets.get(target).place(args))
     out = []
     kw.setdefault("fraction", (0.9, 1.0, 0.5)[cases[0].seed % 3])  # of the headroom
     for s in strategies:
