@@ -20,7 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -31,6 +33,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.difftest.check import OBSERVED, STRATEGIES, TARGET_STRATEGIES  # noqa: E402
 from tests.difftest.generator import generate  # noqa: E402
 from tests.difftest.runner import run_pack  # noqa: E402
+
+#: XLA:CPU's LLVM back end at -O0 halves the compile time, but it is not a trusted reference
+#: for values: on seeds 1000118-1000124 packed together, plain ``jax.jit`` compiled with it
+#: returns -inf and NaN gradients where the default optimisation level (and jaxmem's
+#: rewrite, at -O0 too) returns finite ones. A value mismatch seen under it is confirmed by
+#: re-checking that pack without it, in a fresh process.
+O0 = "--xla_backend_optimization_level=0"
+
+
+def confirmed(seeds: list[int], strategy: str, a: argparse.Namespace) -> list[dict]:
+    """The findings of one pack re-checked without :data:`O0`: those that reproduce."""
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "").replace(O0, ""))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "confirm.json"
+        cmd = [sys.executable, "-m", "benchmarks.differential", "--start", str(seeds[0]),
+               "--count", str(len(seeds)), "--pack-size", str(len(seeds)), "--max-ops",
+               str(a.max_ops), "--strategies", strategy, "--max-compiles",
+               str(a.max_compiles), "--out", str(out)]
+        subprocess.run(cmd, env=env, cwd=Path(__file__).resolve().parent.parent,
+                       capture_output=True, timeout=3600)
+        if not out.exists():
+            return [{"seeds": seeds, "strategy": strategy, "kind": "error",
+                     "detail": "the confirming run without -O0 wrote nothing"}]
+        return json.loads(out.read_text())["failures"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     seed, steps, checks, packs = a.start, 0, Counter(), 0
     failures: list[dict] = []
+    unconfirmed: list[dict] = []
     families: Counter = Counter()
     while steps < a.count and (a.seconds is None or time.perf_counter() - t0 < a.seconds):
         size = 1 if packs % 5 == 4 else a.pack_size
@@ -62,10 +89,17 @@ def main(argv: list[str] | None = None) -> int:
         chosen = strategies if a.all_strategies else [strategies[packs % len(strategies)]]
         for r in run_pack(cases, chosen, max_compiles=a.max_compiles, target=a.target):
             checks[r.strategy] += len(cases)
-            for f in r.findings:
-                failures.append({"seeds": r.seeds, "strategy": f.strategy, "kind": f.kind,
-                                 "detail": f.detail})
-                print(f"FAIL seeds {r.seeds[0]}..{r.seeds[-1]}: {f}", flush=True)
+            found = [{"seeds": r.seeds, "strategy": f.strategy, "kind": f.kind,
+                      "detail": f.detail} for f in r.findings]
+            if (any(f["kind"] == "mismatch" for f in found)
+                    and O0 in os.environ.get("XLA_FLAGS", "")):
+                unconfirmed.extend(f for f in found if f["kind"] == "mismatch")
+                found = [f for f in found if f["kind"] != "mismatch"] + [
+                    f for f in confirmed(r.seeds, r.strategy, a) if f["kind"] == "mismatch"]
+            for f in found:
+                failures.append(f)
+                print(f"FAIL seeds {r.seeds[0]}..{r.seeds[-1]}: [{f['kind']}] "
+                      f"{f['strategy']}: {f['detail']}", flush=True)
         for c in cases:
             families.update(op.family for op in c.ops)
         seed += size
@@ -80,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             "errors": sum(f["kind"] == "error" for f in failures),
             "target": a.target or "cpu", "observed": OBSERVED,
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
-            "failures": failures[:200], "ops_per_family": dict(families.most_common()),
+            "failures": failures[:200],
+            "o0_only_mismatches": unconfirmed[:50], "ops_per_family": dict(families.most_common()),
             "args": vars(a)}
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(summary, indent=1, default=dict))
