@@ -202,6 +202,27 @@ def jit_inlinable(eqn: JaxprEqn) -> bool:
     return not p.get("compiler_options_kvs")
 
 
+# --- jaxpr surgery (jaxmem.shard_map) ------------------------------------------------------
+
+def closed_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any] = ()) -> ClosedJaxpr:
+    return ClosedJaxpr(jaxpr, list(consts))
+
+
+def replace_params(eqn: JaxprEqn, params: dict[str, Any]) -> JaxprEqn:
+    """``eqn`` with new params (same inputs, outputs, effects and source info)."""
+    return eqn.replace(params=dict(params))
+
+
+def with_eqns(jaxpr: Jaxpr, eqns: Sequence[JaxprEqn]) -> Jaxpr:
+    """``jaxpr`` with its equations replaced (same inputs, outputs and effects)."""
+    return jaxpr.replace(eqns=list(eqns))
+
+
+def jaxpr_fun(closed: ClosedJaxpr) -> Any:
+    """``closed`` as a function of its flat inputs returning its flat outputs."""
+    return jcore.jaxpr_as_fun(closed)
+
+
 # --- managed memory (jaxmem.managed_memory) -----------------------------------------------
 
 def initialized_platforms() -> tuple[str, ...]:

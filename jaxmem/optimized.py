@@ -42,6 +42,7 @@ from jaxmem.policies import utility
 from jaxmem.program import Program, backward_in_units, check_leaves, from_jaxpr, trace
 from jaxmem.rewrite import apply
 from jaxmem.scans import TrainBodies, loop_plan
+from jaxmem.shard_map import BodyPlanner, plan_bodies
 from jaxmem.tags import offload_tagged, offload_tags_out_of_reach
 
 STRATEGIES = ("auto", "none")
@@ -436,8 +437,10 @@ class Optimized:
                 max_recompute_fraction=self.max_recompute_fraction))
             with _jax.checkpointed_scan_bodies(policy, bodies):
                 program = trace(fn, *dyn_args, **kwargs)
-            self._loop_plans = tuple(bodies.plans)
-            if program.has_backward or bodies.plans:
+            sharded = BodyPlanner(self.max_recompute_fraction, self.verify)  # shard_map DP
+            program = plan_bodies(program, sharded)
+            self._loop_plans = tuple(bodies.plans) + tuple(sharded.plans)
+            if program.has_backward or self._loop_plans:
                 return program
         return trace(fn, *dyn_args, **kwargs)  # nothing differentiated: trace it untouched
 

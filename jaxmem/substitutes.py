@@ -26,6 +26,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -104,8 +105,24 @@ def _select_and_scatter_add_supported(params: dict[str, Any], avals: list[Any]) 
     return math.prod(params["window_dimensions"]) <= 64
 
 
+def pvary(x: Any, *, axes: tuple[Any, ...], **params: Any) -> Any:
+    """``pvary`` over the axes ``x`` does not vary over yet; ``x`` itself if none.
+
+    Inside a ``shard_map`` body the rewrite ties re-created values to cotangents behind an
+    optimisation barrier, and JAX makes every operand of a barrier vary over the same mesh
+    axes: a parameter replayed through one already varies, and re-binding the body's own
+    ``pvary`` on it would fail. The value is the same either way (``pvary`` is a type cast).
+    """
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    have = getattr(mat, "varying", None) or getattr(aval, "vma", frozenset())
+    missing = tuple(a for a in axes if a not in have)
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
 SUBSTITUTES: dict[str, tuple[Callable[..., Any], Callable[[dict[str, Any], list[Any]], bool]]] = {
     "select_and_scatter_add": (select_and_scatter_add, _select_and_scatter_add_supported),
+    "pvary": (pvary, lambda params, avals: True),
 }
 """Primitive name -> (equivalent function, ``supported(params, in_avals)``)."""
 

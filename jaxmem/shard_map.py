@@ -1,0 +1,186 @@
+"""Plans inside ``jax.shard_map`` bodies: a data-parallel step planned per device.
+
+Third and fourth boxes of the data flow (``Analysis -> Plan -> new function``) for a step
+whose forward and backward passes live inside a ``shard_map`` body (``pmean`` of the loss and
+gradients: data parallelism written by hand). The joint rewrite of the outer step keeps the
+``shard_map`` equation whole, like a scan, and sees no backward pass. Here the body is
+planned as a train step of its own, on its *per-device* shapes (the body's jaxpr has them):
+
+1. the body's jaxpr becomes a :class:`~jaxmem.program.Program`, analysed as any step;
+2. MEDL's auto plan and its per-block variants (:func:`jaxmem.strategies.auto_candidates`)
+   are rewritten and each is compiled as a ``shard_map`` over the body's own mesh and specs,
+   with the plain body beside them, for the mesh's target; the lowest per-device peak is
+   kept (the plain body when no plan is lower: never worse than ``jax.jit``);
+3. the chosen rewrite becomes the ``shard_map``'s body in the outer program.
+
+Collectives in the body (``psum``, ``all_gather``, ``ppermute``...) are *unknown* to the
+planner's tables (:mod:`jaxmem.primitives`), so their outputs are anchors: kept, never
+recomputed (:mod:`jaxmem.chains`); a re-gather or second all-reduce would cost
+communication the cost model does not count. Only the arithmetic between them is replayed.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from jax.sharding import PartitionSpec as P
+  >>> mesh = jax.make_mesh((1,), ("data",))
+  >>> def body(w, x):
+  ...     loss, g = jax.value_and_grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+  ...     return jax.lax.pmean(loss, "data"), jax.lax.pmean(g, "data")
+  >>> step = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()))
+  >>> closed = jax.make_jaxpr(step)(jnp.ones((4, 4)), jnp.ones((2, 4)))
+  >>> [e.primitive.name for e in closed.jaxpr.eqns if has_backward_body(e)]
+  ['shard_map']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from jaxmem import _jax, measure, strategies, structure
+from jaxmem.analysis import from_program
+from jaxmem.measure import Figures, fmt_bytes
+from jaxmem.plan import Plan
+from jaxmem.program import Program, from_jaxpr
+from jaxmem.rewrite import apply
+
+__all__ = ["has_backward_body", "plan_bodies", "BodyPlanner"]
+
+
+def _has_backward(jaxpr: Any) -> bool:
+    return any(_jax.is_backward(e) or any(_has_backward(s) for s in _jax.sub_jaxprs(e))
+               for e in jaxpr.eqns)
+
+
+def has_backward_body(eqn: Any) -> bool:
+    """Whether ``eqn`` is a ``shard_map`` whose body holds a backward pass."""
+    return eqn.primitive.name == "shard_map" and _has_backward(eqn.params["jaxpr"])
+
+
+def _wrap(eqn: Any, body: Callable[..., Any]) -> Callable[..., Any]:
+    """``body`` (flat per-device inputs -> flat outputs) under ``eqn``'s mesh and specs."""
+    p = eqn.params
+    kw: dict[str, Any] = dict(mesh=p["mesh"], in_specs=tuple(p["in_specs"]),
+                              out_specs=tuple(p["out_specs"]))
+    if "check_vma" in p:
+        kw["check_vma"] = p["check_vma"]
+    if "newly_manual_axes" in p:
+        kw["axis_names"] = set(p["newly_manual_axes"])
+    return jax.shard_map(lambda *a: tuple(body(*a)), **kw)
+
+
+def _with_body(eqn: Any, body: Callable[..., Any]) -> Any:
+    """``eqn`` with its body replaced by ``body``'s trace (same mesh, specs, avals)."""
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,
+                                  sharding=getattr(v.aval, "sharding", None))
+             for v in eqn.invars]
+    closed = jax.make_jaxpr(_wrap(eqn, body))(*avals)
+    inner = [e for e in closed.jaxpr.eqns if e.primitive.name == "shard_map"]
+    if len(inner) != 1:
+        raise ValueError("re-tracing the planned shard_map body gave "
+                         f"{len(inner)} shard_map equations, not one")
+    return _jax.replace_params(eqn, inner[0].params)
+
+
+def _abstract_args(eqn: Any) -> list[Any]:
+    """The ``shard_map``'s global inputs as abstract arrays on its mesh (compile-only)."""
+    from jax.sharding import NamedSharding
+
+    mesh = eqn.params["mesh"]
+    return [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,
+                                 sharding=NamedSharding(mesh, spec))
+            for v, spec in zip(eqn.invars, eqn.params["in_specs"], strict=True)]
+
+
+def _compiled(eqn: Any, body: Callable[..., Any], args: Sequence[Any]) -> Figures:
+    jitted = jax.jit(_wrap(eqn, body))
+    exe = measure.compile(jitted.lower(*args))
+    platform = args[0].sharding.mesh.devices.flat[0].platform if args else "cpu"
+    return measure.compiled_figures(exe, jitted, args, platform=platform)
+
+
+@dataclasses.dataclass
+class BodyPlanner:
+    """Plans one ``shard_map`` body: :func:`jaxmem.strategies.auto_candidates` compiled
+    per device on the mesh, lowest peak kept (``verify``), as ``jaxmem.optimize`` does for a
+    whole step. ``plans`` collects what was chosen, for the outer plan's notes."""
+
+    max_recompute_fraction: float = 0.05
+    verify: bool = True
+    plans: list[Plan] = dataclasses.field(default_factory=list)
+
+    def __call__(self, eqn: Any) -> Callable[..., Any] | None:
+        program = structure.label(from_jaxpr(_jax.closed_jaxpr(eqn.params["jaxpr"])))
+        analysis = from_program(program)
+        cands = strategies.auto_candidates(
+            analysis, max_recompute_fraction=self.max_recompute_fraction)
+        if not cands:
+            return None
+        if not self.verify:
+            return self._chosen(program, cands[0], None, None)
+        if not isinstance(eqn.params["mesh"], jax.sharding.Mesh):
+            warnings.warn("jaxmem.optimize: a shard_map body on an abstract mesh was kept "
+                          "whole (its plans cannot be compiled to check them); pass a "
+                          "concrete jax.sharding.Mesh", stacklevel=6)
+            return None
+        args = _abstract_args(eqn)
+        base = _compiled(eqn, _jax.jaxpr_fun(program.jaxpr), args)
+        best = None
+        for plan in cands:
+            fig = _compiled(eqn, apply(program, plan), args)
+            if best is None or (fig.peak, fig.flops) < (best[1].peak, best[1].flops):
+                best = (plan, fig)
+        if best[1].peak >= base.peak:
+            self.plans.append(dataclasses.replace(
+                strategies.plan_none(analysis), strategy="shard_map body: none",
+                notes=(f"no plan's per-device peak was below the plain body's "
+                       f"{fmt_bytes(base.peak)}: the body is kept as it is",)))
+            return None
+        return self._chosen(program, best[0], best[1], base)
+
+    def _chosen(self, program: Program, plan: Plan, fig: Figures | None,
+                base: Figures | None) -> Callable[..., Any]:
+        note = ("per device: " + (f"{fmt_bytes(base.peak)} -> {fmt_bytes(fig.peak)} compiled"
+                                  if fig is not None else "not compiled (verify=False)"))
+        self.plans.append(dataclasses.replace(
+            plan, strategy=f"shard_map body: {plan.strategy}", notes=plan.notes + (note,),
+            compiled=fig, baseline=base))
+        return apply(program, plan)
+
+
+def _rewrite_jaxpr(jaxpr: Any, plan_body: Callable[[Any], Any]) -> tuple[Any, bool]:
+    """``jaxpr`` with each ``shard_map`` body that has a backward pass planned (inside
+    nested ``jit`` equations too); whether anything changed."""
+    eqns, changed = [], False
+    for eqn in jaxpr.eqns:
+        new = eqn
+        if has_backward_body(eqn):
+            body = plan_body(eqn)
+            if body is not None:
+                new = _with_body(eqn, body)
+        elif eqn.primitive.name in _jax.JIT_NAMES and _has_backward(eqn.params["jaxpr"].jaxpr):
+            inner, sub = _rewrite_jaxpr(eqn.params["jaxpr"].jaxpr, plan_body)
+            if sub:
+                closed = _jax.closed_jaxpr(inner, eqn.params["jaxpr"].consts)
+                new = _jax.replace_params(eqn, dict(eqn.params, jaxpr=closed))
+        changed |= new is not eqn
+        eqns.append(new)
+    return (_jax.with_eqns(jaxpr, eqns) if changed else jaxpr), changed
+
+
+def plan_bodies(program: Program, plan_body: Callable[[Any], Any]) -> Program:
+    """``program`` with its ``shard_map`` bodies planned by ``plan_body`` (a
+    :class:`BodyPlanner`): each body that holds a backward pass is replaced by its rewrite.
+    The program itself when there is none."""
+    closed = program.jaxpr
+    if closed is None or not any(has_backward_body(e) or e.primitive.name in _jax.JIT_NAMES
+                                 for e in closed.jaxpr.eqns):
+        return program
+    jaxpr, changed = _rewrite_jaxpr(closed.jaxpr, plan_body)
+    if not changed:
+        return program
+    return from_jaxpr(_jax.closed_jaxpr(jaxpr, closed.consts), program.in_tree,
+                      program.out_tree)
