@@ -202,6 +202,28 @@ def jit_inlinable(eqn: JaxprEqn) -> bool:
     return not p.get("compiler_options_kvs")
 
 
+# --- shardings -----------------------------------------------------------------------------
+
+def shards(aval: Any) -> int:
+    """Into how many pieces an array of ``aval`` is split across devices, by the mesh axes
+    its type names (sharding in types: ``Explicit`` mesh axes in its spec); 1 where the type
+    says nothing (``Auto`` axes, where XLA chooses, or no mesh)."""
+    try:
+        sharding = getattr(aval, "sharding", None)
+    except Exception:  # noqa: BLE001 - avals without a sharding (tokens)
+        return 1
+    spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
+    if not spec or mesh is None:
+        return 1
+    explicit = set(getattr(mesh, "explicit_axes", ()) or ())
+    n = 1
+    for entry in spec:
+        for axis in entry if isinstance(entry, tuple) else (entry,):
+            if axis is not None and axis in explicit:
+                n *= int(mesh.shape[axis])
+    return n
+
+
 # --- jaxpr surgery (jaxmem.shard_map) ------------------------------------------------------
 
 def closed_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any] = ()) -> ClosedJaxpr:

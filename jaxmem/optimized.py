@@ -326,7 +326,8 @@ class Optimized:
         planning = program.has_backward and self.strategy != "none"
         # The plan cache holds plans; a step that streams its state from host memory decides
         # that per call of the budget search, so it is planned afresh.
-        key = plan_cache.fingerprint(program.jaxpr, (platform, _device_kind(flat)),
+        key = plan_cache.fingerprint(program.jaxpr, (platform, _device_kind(flat),
+                                                     _shardings(flat)),
                                      self._options(donate_flat)) \
             if planning and self.offload_state is False else None
         cached = plan_cache.load(key) if key else None
@@ -639,6 +640,12 @@ def _rewrite_key(plan: Plan) -> Any:
     it compile to one program."""
     return (plan.recompute, plan.offload, plan.region_depth, plan.keep,
             frozenset(c.residual.value for c in plan.choices))
+
+
+def _shardings(flat: Sequence[Any]) -> tuple[str, ...]:
+    """The arguments' shardings, for the plan cache: a jaxpr traced on an ``Auto`` mesh
+    does not show them, yet per-device sizes (and so plans and figures) follow them."""
+    return tuple(repr(getattr(x, "sharding", None)) for x in flat)
 
 
 def _device_kind(flat: Sequence[Any]) -> str:
