@@ -37,6 +37,7 @@ from jaxmem.budget.scans import choose_for
 from jaxmem.liveness import liveness
 from jaxmem.losses import logits_notes
 from jaxmem.measure import Figures, fmt_bytes
+from jaxmem.multihost import check_same_plan
 from jaxmem.plan import Decision, Plan
 from jaxmem.policies import utility
 from jaxmem.program import Program, backward_in_units, check_leaves, from_jaxpr, trace
@@ -261,6 +262,7 @@ class Optimized:
         entry = self._cache.get(key)
         if entry is None:
             entry = self._build(args, static, dyn_args, kwargs, dict(static_kw), leaf_static)
+            check_same_plan(entry.plan, getattr(self.fn, "__name__", "the step"))  # multihost
             self._cache[key] = entry
         out_tree = entry.analysis.program.out_tree
         if entry.host_state:
