@@ -1,8 +1,9 @@
 """One process of the two-process ``jax.distributed`` test (tests/test_distributed.py).
 
 Run as ``python tests/_distributed_worker.py PROCESS_ID PORT MODE``; prints one JSON line.
-MODE ``same``: a batch-sharded step under ``jaxmem.optimize`` with and without a budget;
-``mismatch``: process 1 plans differently (its MEDL rule is patched to keep everything).
+A batch-sharded step under ``jaxmem.optimize`` with and without a budget; then, with MODE
+``mismatch``, a third step that process 1 plans differently (its MEDL rule patched to keep
+everything), which must raise ``jaxmem.PlanMismatchError`` on both processes.
 """
 
 from __future__ import annotations
@@ -55,19 +56,19 @@ def local(a: jax.Array) -> float:
 
 
 out: dict = {"process": jax.process_index(), "devices": jax.device_count()}
-if mode == "mismatch" and pid == 1:  # this process plans differently from process 0
-    strategies.plan_auto = lambda analysis, **kw: strategies.plan_none(analysis)
-try:
-    out["ref"] = local(jax.jit(step)(ws, x)[1])
-    for name, kw in (("auto", {}), ("budget", {"budget": 0.9})):
-        opt = jaxmem.optimize(step, donate_argnums=(), verify=mode != "mismatch", **kw)
-        loss = local(opt(ws, x)[1])
-        plan = opt.plan(ws, x)
-        out[name] = {"loss": loss, "fingerprint": plan.fingerprint(),
-                     "recompute": len(plan.recompute), "strategy": plan.strategy}
-        if mode == "mismatch":
-            break
-except jaxmem.PlanMismatchError as e:
-    out["error"] = str(e)
-    out["fingerprints"] = e.fingerprints
+out["ref"] = local(jax.jit(step)(ws, x)[1])
+for name, kw in (("auto", {}), ("budget", {"budget": 0.9})):
+    opt = jaxmem.optimize(step, donate_argnums=(), **kw)
+    loss = local(opt(ws, x)[1])
+    plan = opt.plan(ws, x)
+    out[name] = {"loss": loss, "fingerprint": plan.fingerprint(),
+                 "recompute": len(plan.recompute), "strategy": plan.strategy}
+if mode == "mismatch":
+    if pid == 1:  # from here on this process plans differently from process 0
+        strategies.plan_auto = lambda analysis, **kw: strategies.plan_none(analysis)
+    try:
+        jaxmem.optimize(step, donate_argnums=(), verify=False)(ws, x)
+        out["mismatch"] = {"error": None}
+    except jaxmem.PlanMismatchError as e:
+        out["mismatch"] = {"error": str(e), "fingerprints": e.fingerprints}
 print("RESULT " + json.dumps(out), flush=True)

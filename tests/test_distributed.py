@@ -49,11 +49,16 @@ def _two_processes(mode: str, timeout: float = 150.0) -> list[dict]:
     return results
 
 
-def test_two_processes_plan_alike_and_match_jit():
+@pytest.fixture(scope="module")
+def job() -> list[dict]:
+    return _two_processes("mismatch")
+
+
+def test_two_processes_plan_alike_and_match_jit(job):
     """Two processes (2 CPU devices each, gloo collectives), a batch-sharded step under
     optimize with and without a budget: the same loss as plain jit on both, the same plan
     fingerprint on both."""
-    a, b = _two_processes("same")
+    a, b = job
     assert a["devices"] == b["devices"] == 4
     for name in ("auto", "budget"):
         assert a[name]["fingerprint"] == b[name]["fingerprint"], (a, b)
@@ -62,10 +67,61 @@ def test_two_processes_plan_alike_and_match_jit():
     assert a["auto"]["recompute"] > 0
 
 
-def test_two_processes_that_plan_differently_fail_loudly():
+def test_two_processes_that_plan_differently_fail_loudly(job):
     """Process 1 plans differently: both processes raise PlanMismatchError naming the
     fingerprints, before any planned program runs (no hang)."""
-    a, b = _two_processes("mismatch")
-    for r in (a, b):
-        assert "planned" in r.get("error", "") and "differently" in r["error"], r
-        assert len(set(r["fingerprints"])) == 2
+    for r in job:
+        err = r["mismatch"]["error"] or ""
+        assert "planned" in err and "differently" in err, r
+        assert len(set(r["mismatch"]["fingerprints"])) == 2
+
+
+_EIGHT = r"""
+import warnings
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+import jaxmem
+from benchmarks import distributed as D
+
+assert jax.device_count() == 8
+rows = []
+for name, (step, ws, x) in D.cases("small").items():
+    if name == "jit batch":  # tests/test_optimize.py has it
+        continue
+    opt = jaxmem.optimize(step, donate_argnums=())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "kept the plain step" / "no backward pass"
+        out = opt(ws, x)
+    ref = jax.jit(step)(ws, x)
+    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(out), strict=True):
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (name, a.sharding, b.sharding)
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-5, atol=1e-6)
+    plan = opt.plan(ws, x)
+    assert plan.compiled.peak < plan.baseline.peak, (name, str(plan))
+    if name.startswith("shard_map"):
+        body = plan.inner[0]
+        assert body.strategy.startswith("shard_map body") and body.recompute, (name, str(body))
+    rows.append((name, plan.baseline.peak, plan.compiled.peak))
+
+# Explicit mesh axes: sizes in the analysis are per device (the batch is split 8 ways).
+ws, x = D.arrays("small")
+mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+wr = jax.device_put(ws, NamedSharding(mesh, P()))
+a = jaxmem.optimize(D.jit_step, donate_argnums=(), verify=False).analysis(wr, xs)
+rx = [r for r in a.residuals if r.shape == x.shape]
+assert rx and all(r.nbytes == x.nbytes // 8 for r in rx), [(r.name, r.nbytes) for r in rx]
+print("OK", rows)
+"""
+
+
+def test_sharded_and_shard_map_steps_on_8_host_devices():
+    """shard_map data parallelism and FSDP (forward and backward in the body), FSDP and 2-D
+    (data x model) meshes under jit: the same outputs and output shardings as jax.jit, a
+    lower per-device compiled peak; sizes per device on an Explicit mesh."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-c", _EIGHT], env=env, capture_output=True,
+                       text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.stdout.startswith("OK"), r.stdout[-2000:]
