@@ -15,8 +15,12 @@ planned as a train step of its own, on its *per-device* shapes (the body's jaxpr
 
 Collectives in the body (``psum``, ``all_gather``, ``ppermute``...) are *unknown* to the
 planner's tables (:mod:`jaxmem.primitives`), so their outputs are anchors: kept, never
-recomputed (:mod:`jaxmem.chains`); a re-gather or second all-reduce would cost
-communication the cost model does not count. Only the arithmetic between them is replayed.
+recomputed (:mod:`jaxmem.chains`). Only the arithmetic between them is replayed, with one
+exception, FSDP's trade-off (:func:`regather`): a parameter shard's ``all_gather`` may be
+re-run in the backward pass instead of keeping the gathered weight, when the communication
+it adds (bytes over :attr:`DeviceProfile.interconnect_bw`) stays within
+``max_recompute_fraction`` of the step's predicted time; such plans are candidates beside
+the ones that keep the gathered weights, and the compiled peak decides.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -41,13 +45,14 @@ from typing import Any
 import jax
 
 from jaxmem import _jax, measure, strategies, structure
-from jaxmem.analysis import from_program
+from jaxmem.analysis import Analysis, from_program
+from jaxmem.costmodel import PROFILES, DeviceProfile
 from jaxmem.measure import Figures, fmt_bytes
-from jaxmem.plan import Plan
+from jaxmem.plan import Choice, Decision, Plan
 from jaxmem.program import Program, from_jaxpr
 from jaxmem.rewrite import apply
 
-__all__ = ["has_backward_body", "plan_bodies", "BodyPlanner"]
+__all__ = ["BodyPlanner", "has_backward_body", "plan_bodies", "regather"]
 
 
 def _has_backward(jaxpr: Any) -> bool:
@@ -102,6 +107,55 @@ def _compiled(eqn: Any, body: Callable[..., Any], args: Sequence[Any]) -> Figure
     return measure.compiled_figures(exe, jitted, args, platform=platform)
 
 
+def _profile(eqn: Any) -> DeviceProfile:
+    """The device profile preset of the mesh's devices (``cpu`` where unknown)."""
+    devices = getattr(eqn.params["mesh"], "devices", None)
+    kind = str(getattr(devices.flat[0], "device_kind", "cpu")) if devices is not None else ""
+    kind = kind.lower().replace(" ", "")
+    return next((PROFILES[k] for k in ("h200", "h100", "a100") if k in kind), PROFILES["cpu"])
+
+
+def _gathered_weights(analysis: Analysis, plan: Plan) -> list[Choice]:
+    """Kept residuals made by an ``all_gather`` of body inputs (FSDP's parameter shards)."""
+    prog = analysis.program
+    out = []
+    for c in plan.choices:
+        v = prog.values[c.residual.value]
+        if c.decision is not Decision.SAVE or v.producer is None:
+            continue
+        node = prog.nodes[v.producer]
+        if node.primitive == "all_gather" and all(
+                prog.values[i].is_input or prog.values[i].is_const for i in node.inputs):
+            out.append(c)
+    return out
+
+
+def regather(analysis: Analysis, plan: Plan, profile: DeviceProfile,
+             max_fraction: float) -> Plan | None:
+    """``plan`` with the gathered weights re-gathered in the backward pass instead of kept
+    (FSDP's trade-off: memory for communication); ``None`` when the body gathers no
+    parameter shards or the extra communication, each gathered weight fetched once more
+    over the interconnect, exceeds ``max_fraction`` of the body's predicted time."""
+    gathered = _gathered_weights(analysis, plan)
+    if not gathered:
+        return None
+    nbytes = sum(c.residual.nbytes for c in gathered)
+    comm = profile.collective_time(nbytes)
+    step = sum(profile.node_time(n.flops, n.bytes_moved) for n in analysis.program.nodes)
+    if comm > max_fraction * step:
+        return None
+    note = (f"FSDP: {len(gathered)} gathered weights ({fmt_bytes(nbytes)}) re-gathered in the "
+            f"backward pass instead of kept: predicted {1e3 * comm:.3f} ms more on the "
+            f"interconnect ({profile.name}, {profile.interconnect_bw / 1e9:.0f} GB/s), "
+            f"{100 * comm / max(step, 1e-12):.1f}% of the body's predicted time")
+    flip = {c.residual.value for c in gathered}
+    choices = tuple(Choice(c.residual, Decision.RECOMPUTE, "all_gather of a parameter "
+                           "shard: re-gathered in the backward pass")
+                    if c.residual.value in flip else c for c in plan.choices)
+    return dataclasses.replace(plan, choices=choices, strategy=f"{plan.strategy} + re-gather",
+                               notes=plan.notes + (note,))
+
+
 @dataclasses.dataclass
 class BodyPlanner:
     """Plans one ``shard_map`` body: :func:`jaxmem.strategies.auto_candidates` compiled
@@ -117,6 +171,9 @@ class BodyPlanner:
         analysis = from_program(program)
         cands = strategies.auto_candidates(
             analysis, max_recompute_fraction=self.max_recompute_fraction)
+        profile = _profile(eqn)
+        cands += [p for p in (regather(analysis, c, profile, self.max_recompute_fraction)
+                              for c in cands) if p is not None]
         if not cands:
             return None
         if not self.verify:
@@ -145,6 +202,11 @@ class BodyPlanner:
                 base: Figures | None) -> Callable[..., Any]:
         note = ("per device: " + (f"{fmt_bytes(base.peak)} -> {fmt_bytes(fig.peak)} compiled"
                                   if fig is not None else "not compiled (verify=False)"))
+        kept = _gathered_weights(from_program(program), plan)
+        if kept:
+            note += (f"; FSDP: {len(kept)} gathered weights "
+                     f"({fmt_bytes(sum(c.residual.nbytes for c in kept))}) kept for the "
+                     "backward pass, not re-gathered")
         self.plans.append(dataclasses.replace(
             plan, strategy=f"shard_map body: {plan.strategy}", notes=plan.notes + (note,),
             compiled=fig, baseline=base))

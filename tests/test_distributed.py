@@ -101,6 +101,19 @@ for name, (step, ws, x) in D.cases("small").items():
     if name.startswith("shard_map"):
         body = plan.inner[0]
         assert body.strategy.startswith("shard_map body") and body.recompute, (name, str(body))
+    if name == "shard_map FSDP":  # FSDP's trade-off: re-gathering beat keeping the weights
+        assert body.strategy.endswith("re-gather"), str(body)
+        assert any(c.residual.primitive == "all_gather" for c in body.of(jaxmem.Decision.RECOMPUTE))
+        from jaxmem import _jax, shard_map as S, strategies
+        eqn = next(e for e in jax.make_jaxpr(step)(ws, x).jaxpr.eqns
+                   if S.has_backward_body(e))
+        body_an = jaxmem.analysis.from_program(jaxmem.program.from_jaxpr(
+            _jax.closed_jaxpr(eqn.params["jaxpr"])))
+        auto = strategies.plan_auto(body_an)
+        fast = jaxmem.DeviceProfile("fast", 1e11, 2e10, 1e10, interconnect_bw=1e15)
+        slow = jaxmem.DeviceProfile("slow", 1e11, 2e10, 1e10, interconnect_bw=1.0)
+        assert S.regather(body_an, auto, fast, 0.05) is not None
+        assert S.regather(body_an, auto, slow, 0.05) is None  # communication too dear
     rows.append((name, plan.baseline.peak, plan.compiled.peak))
 
 # Explicit mesh axes: sizes in the analysis are per device (the batch is split 8 ways).
