@@ -25,7 +25,7 @@ the ones that keep the gathered weights, and the compiled peak decides.
 Example:
   >>> import jax, jax.numpy as jnp
   >>> from jax.sharding import PartitionSpec as P
-  >>> mesh = jax.make_mesh((1,), ("data",))
+  >>> mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
   >>> def body(w, x):
   ...     loss, g = jax.value_and_grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
   ...     return jax.lax.pmean(loss, "data"), jax.lax.pmean(g, "data")
