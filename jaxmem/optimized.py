@@ -344,7 +344,7 @@ class Optimized:
         # A budget the plain step already fits drops nothing: run the plain step itself (its
         # figures are the ones the budget was checked against).
         nothing = (self.budget is not None and not (plan.recompute or plan.offload)
-                   and body is None)
+                   and body is None and not plan.inner)
         jitted = (plain if (plan.strategy == "none" and body is None) or nothing
                   else jit_plan(plan))
         host_state: tuple[int, ...] = ()
@@ -419,7 +419,8 @@ class Optimized:
             plan = strategies.plan_offload(analysis, plan, offload=self.offload)
             plan = dataclasses.replace(plan, donated=donated)
         if self.budget is not None and not planning:
-            plan, compiled = self._unplanned_budget(plan, analysis, plain, flat)
+            plan, compiled = self._unplanned_budget(plan, analysis, plain, flat,
+                                                    jit_plan(plan) if plan.inner else None)
         plan = dataclasses.replace(plan, notes=plan.notes + logits_notes(analysis))
         if (self.verify and self.budget is None and plan.recompute and not plan.offload):
             plan, compiled = self._verified(plan, analysis, jit_plan, plain, dyn_args, kwargs)
@@ -463,13 +464,24 @@ class Optimized:
                                     max_recompute_fraction=self.max_recompute_fraction)
 
     def _unplanned_budget(self, plan: Plan, analysis: Analysis, plain: Any,
-                          flat: Sequence[Any]) -> tuple[Plan, Any]:
+                          flat: Sequence[Any], planned: Any = None) -> tuple[Plan, Any]:
         """A budget on a step with nothing to plan (no backward pass at the top level, or
         ``strategy="none"``): the plain step runs, so its compiled peak must fit, or
-        ``BudgetError`` (a budget is a guarantee, never a hint)."""
+        ``BudgetError`` (a budget is a guarantee, never a hint). ``planned``: the step with
+        its loop or shard_map bodies planned, which runs if its compiled peak fits."""
         exe = measure.compile(plain.lower(*flat))
         base = _read(exe, plain, flat)
         requested = resolve_budget(self.budget, base.peak)
+        if planned is not None:  # bodies planned as steps of their own (loops, shard_map)
+            planned_exe = measure.compile(planned.lower(*flat))
+            fig = _read(planned_exe, planned, flat)
+            if fig.peak <= requested:
+                note = (f"bodies planned as steps of their own (without the budget): the "
+                        f"step's compiled peak {fmt_bytes(fig.peak)} fits the budget "
+                        f"{fmt_bytes(requested)}")
+                return dataclasses.replace(plan, budget=requested, notes=plan.notes + (note,),
+                                           compiled=fig, baseline=base), planned_exe
+            plan = dataclasses.replace(plan, inner=())  # the plain step, if anything fits
         why = (_why_unplanned(self.fn, analysis) if not analysis.program.has_backward
                else 'strategy="none" runs the plain step')
         if base.peak > requested:

@@ -124,6 +124,19 @@ wr = jax.device_put(ws, NamedSharding(mesh, P()))
 a = jaxmem.optimize(D.jit_step, donate_argnums=(), verify=False).analysis(wr, xs)
 rx = [r for r in a.residuals if r.shape == x.shape]
 assert rx and all(r.nbytes == x.nbytes // 8 for r in rx), [(r.name, r.nbytes) for r in rx]
+
+# A budget on a shard_map step: met by the planned body between its peak and the plain one;
+# one below both is a BudgetError.
+step, ws, x = D.cases("small")["shard_map DP"]
+_, base, planned = next(r for r in rows if r[0] == "shard_map DP")
+fits = planned + (base - planned) // 2
+plan = jaxmem.optimize(step, donate_argnums=(), budget=fits).plan(ws, x)
+assert plan.inner and plan.compiled.peak <= fits < plan.baseline.peak, str(plan)
+try:
+    jaxmem.optimize(step, donate_argnums=(), budget=planned // 2).plan(ws, x)
+    raise AssertionError("no BudgetError")
+except jaxmem.BudgetError:
+    pass
 print("OK", rows)
 """
 
@@ -131,10 +144,12 @@ print("OK", rows)
 def test_sharded_and_shard_map_steps_on_8_host_devices():
     """shard_map data parallelism and FSDP (forward and backward in the body), FSDP and 2-D
     (data x model) meshes under jit: the same outputs and output shardings as jax.jit, a
-    lower per-device compiled peak; sizes per device on an Explicit mesh."""
+    lower per-device compiled peak; sizes per device on an Explicit mesh; a budget on the
+    shard_map step met by its planned body."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     r = subprocess.run([sys.executable, "-c", _EIGHT], env=env, capture_output=True,
                        text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-4000:]
     assert r.stdout.startswith("OK"), r.stdout[-2000:]
+
