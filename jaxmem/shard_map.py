@@ -44,7 +44,7 @@ from typing import Any
 
 import jax
 
-from jaxmem import _jax, measure, strategies, structure
+from jaxmem import _jax, measure, strategies, structure, targets
 from jaxmem.analysis import Analysis, from_program
 from jaxmem.costmodel import PROFILES, DeviceProfile
 from jaxmem.measure import Figures, fmt_bytes
@@ -103,7 +103,7 @@ def _abstract_args(eqn: Any) -> list[Any]:
 def _compiled(eqn: Any, body: Callable[..., Any], args: Sequence[Any]) -> Figures:
     jitted = jax.jit(_wrap(eqn, body))
     exe = measure.compile(jitted.lower(*args))
-    platform = args[0].sharding.mesh.devices.flat[0].platform if args else "cpu"
+    platform = targets.platform_of(args) or jax.default_backend()
     return measure.compiled_figures(exe, jitted, args, platform=platform)
 
 
