@@ -14,7 +14,8 @@ Each is planned by ``jaxmem.optimize`` (state donated) and compiled for 8 CPU ho
 (``--xla_force_host_platform_device_count=8``, set here before JAX starts). The table gives
 XLA's per-device compiled peak (argument + output + temp - alias) of the plain step and of
 jaxmem's, the saving, and the saving as a share of the batch-sharded jit step's.
-Partial rows are printed as they come. ``--small`` runs the test sizes.
+Partial rows are printed as they come. ``--small`` runs the test sizes; ``--zoo`` adds the
+zoo GPT's loss and gradients (jit batch, ``shard_map`` data parallel, jit FSDP).
 """
 
 from __future__ import annotations
@@ -117,6 +118,35 @@ def cases(size: str = "bench") -> dict[str, tuple[Callable[..., Any], Any, Any]]
     }
 
 
+def zoo_cases(size: str = "bench", per_device: int = 4
+              ) -> dict[str, tuple[Callable[..., Any], Any, Any]]:
+    """The zoo GPT's loss and gradients (``Workload.loss_and_grads``: dropout, adamw state
+    passed through) jitted with the batch sharded, as a ``shard_map`` data-parallel body
+    (``pmean``), and jitted with every parameter whose first dimension divides 8 sharded
+    (FSDP-style), on 8 host devices, ``per_device`` sequences per device."""
+    from benchmarks import zoo
+
+    w = zoo.make("transformer", size=size, batch=8 * per_device)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    rep, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+
+    def dp(state: Any, batch: Any) -> Any:
+        body = lambda s, b: jax.lax.pmean(w.loss_and_grads(s, b), "data")  # noqa: E731
+        return jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")),
+                             out_specs=P())(state, batch)
+
+    def fsdp(a: Any) -> Any:
+        ok = getattr(a, "ndim", 0) and a.shape[0] % 8 == 0
+        return jax.device_put(a, rows if ok else rep)
+
+    batch = jax.device_put(w.batch, rows)
+    return {
+        "zoo GPT, jit batch": (w.loss_and_grads, jax.device_put(w.state, rep), batch),
+        "zoo GPT, shard_map DP": (dp, jax.device_put(w.state, rep), batch),
+        "zoo GPT, jit FSDP": (w.loss_and_grads, jax.tree.map(fsdp, w.state), batch),
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     import warnings
 
@@ -130,7 +160,12 @@ def main(argv: list[str] | None = None) -> None:
     print("| step | plain jit | jaxmem | saved | share of jit batch's saving | plan |")
     print("|---|---|---|---|---|---|")
     ref = None
-    for name, (step, ws, x) in cases(size).items():
+    every = dict(cases(size))
+    if "--zoo" in argv:
+        every = {**every, **zoo_cases("test" if size == "small" else "bench")}
+    for name, (step, ws, x) in every.items():
+        if name == "zoo GPT, jit batch":
+            ref = None  # the zoo rows compare with the zoo's own jit batch row
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             plan = jaxmem.optimize(step).plan(ws, x)
