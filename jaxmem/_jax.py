@@ -240,6 +240,22 @@ def with_eqns(jaxpr: Jaxpr, eqns: Sequence[JaxprEqn]) -> Jaxpr:
     return jaxpr.replace(eqns=list(eqns))
 
 
+def shard_map_kwargs(eqn: JaxprEqn) -> dict[str, Any]:
+    """``jax.shard_map`` keyword arguments that re-create a ``shard_map`` equation (its
+    params: ``mesh``, ``in_specs``, ``out_specs``, ``check_vma``, ``newly_manual_axes``)."""
+    p = eqn.params
+    kw: dict[str, Any] = dict(mesh=p["mesh"], in_specs=tuple(p["in_specs"]),
+                              out_specs=tuple(p["out_specs"]))
+    if "check_vma" in p:
+        kw["check_vma"] = p["check_vma"]
+    elif "check_rep" in p:  # pragma: no cover - older jax
+        kw["check_vma"] = p["check_rep"]
+    axes = p.get("newly_manual_axes", p.get("manual_axes"))
+    if axes is not None:
+        kw["axis_names"] = set(axes)
+    return kw
+
+
 def jaxpr_fun(closed: ClosedJaxpr) -> Any:
     """``closed`` as a function of its flat inputs returning its flat outputs."""
     return jcore.jaxpr_as_fun(closed)

@@ -67,14 +67,7 @@ def has_backward_body(eqn: Any) -> bool:
 
 def _wrap(eqn: Any, body: Callable[..., Any]) -> Callable[..., Any]:
     """``body`` (flat per-device inputs -> flat outputs) under ``eqn``'s mesh and specs."""
-    p = eqn.params
-    kw: dict[str, Any] = dict(mesh=p["mesh"], in_specs=tuple(p["in_specs"]),
-                              out_specs=tuple(p["out_specs"]))
-    if "check_vma" in p:
-        kw["check_vma"] = p["check_vma"]
-    if "newly_manual_axes" in p:
-        kw["axis_names"] = set(p["newly_manual_axes"])
-    return jax.shard_map(lambda *a: tuple(body(*a)), **kw)
+    return jax.shard_map(lambda *a: tuple(body(*a)), **_jax.shard_map_kwargs(eqn))
 
 
 def _with_body(eqn: Any, body: Callable[..., Any]) -> Any:
