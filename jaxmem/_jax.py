@@ -390,6 +390,13 @@ def is_tracer(x: Any) -> bool:
 _SCAN_PATCH_LOCK = __import__("threading").RLock()
 
 
+def tracing() -> bool:
+    """Whether JAX is tracing right now (inside ``jit``, ``make_jaxpr``, a transform)."""
+    from jax._src import core
+
+    return not core.trace_state_clean()
+
+
 def under_differentiation() -> bool:
     """Whether JAX is tracing for a derivative right now (a JVP or linearize trace)."""
     from jax._src import core
