@@ -15,7 +15,8 @@ Each is planned by ``jaxmem.optimize`` (state donated) and compiled for 8 CPU ho
 XLA's per-device compiled peak (argument + output + temp - alias) of the plain step and of
 jaxmem's, the saving, and the saving as a share of the batch-sharded jit step's.
 Partial rows are printed as they come. ``--small`` runs the test sizes; ``--zoo`` adds the
-zoo GPT's loss and gradients (jit batch, ``shard_map`` data parallel, jit FSDP).
+zoo GPT's loss and gradients (jit batch, ``shard_map`` data parallel, jit FSDP);
+``--zoo-only`` runs those alone.
 """
 
 from __future__ import annotations
@@ -160,8 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     print("| step | plain jit | jaxmem | saved | share of jit batch's saving | plan |")
     print("|---|---|---|---|---|---|")
     ref = None
-    every = dict(cases(size))
-    if "--zoo" in argv:
+    every = {} if "--zoo-only" in argv else dict(cases(size))
+    if "--zoo" in argv or "--zoo-only" in argv:
         every = {**every, **zoo_cases("test" if size == "small" else "bench")}
     for name, (step, ws, x) in every.items():
         if name == "zoo GPT, jit batch":

@@ -107,8 +107,39 @@ def bind_params(eqn: JaxprEqn) -> dict[str, Any]:
 
 
 def bind(eqn: JaxprEqn, *args: Any) -> list[Any]:
-    out = eqn.primitive.bind(*args, **bind_params(eqn))
+    out = eqn.primitive.bind(*_match_varying(eqn, args), **bind_params(eqn))
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _match_varying(eqn: JaxprEqn, args: Sequence[Any]) -> Sequence[Any]:
+    """``args`` cast up to the manual axes the most varying of them varies over, where the
+    traced equation's inputs all varied alike but the re-bound ones do not.
+
+    Inside ``shard_map`` an optimisation barrier makes all its operands vary over the same
+    axes, so a parameter re-created behind one varies where the traced program had it
+    invariant; JAX inserts that cast itself for most primitives, not all
+    (``random_fold_in``). The values are the same (the cast is a type change). Outside
+    ``shard_map`` nothing varies and nothing changes."""
+    if len(args) < 2:
+        return args
+    kinds = [varying_axes(a) for a in args]
+    if len(set(kinds)) <= 1 or len({_aval_varying(v.aval) for v in eqn.invars}) > 1:
+        return args
+    union = frozenset().union(*kinds)
+    from jax import lax
+
+    return [a if k == union else lax.pcast(a, tuple(sorted(union - k, key=str)), to="varying")
+            for a, k in zip(args, kinds, strict=True)]
+
+
+def _aval_varying(aval: Any) -> frozenset[Any]:
+    mat = getattr(aval, "mat", None)
+    return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", None) or ())
+
+
+def varying_axes(x: Any) -> frozenset[Any]:
+    """The manual mesh axes a value varies over inside ``shard_map`` (empty outside)."""
+    return _aval_varying(jax.typeof(x))
 
 
 # --- residual introspection ---------------------------------------------------------------

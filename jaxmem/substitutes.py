@@ -26,10 +26,11 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from jaxmem import _jax
 
 _SELECTS = ("ge", "le", "gt", "lt")
 
@@ -108,14 +109,12 @@ def _select_and_scatter_add_supported(params: dict[str, Any], avals: list[Any]) 
 def pvary(x: Any, *, axes: tuple[Any, ...], **params: Any) -> Any:
     """``pvary`` over the axes ``x`` does not vary over yet; ``x`` itself if none.
 
-    Inside a ``shard_map`` body the rewrite ties re-created values to cotangents behind an
-    optimisation barrier, and JAX makes every operand of a barrier vary over the same mesh
-    axes: a parameter replayed through one already varies, and re-binding the body's own
-    ``pvary`` on it would fail. The value is the same either way (``pvary`` is a type cast).
+    Inside a ``shard_map`` body a value re-created behind an optimisation barrier already
+    varies over the barrier's axes (JAX makes all its operands vary alike), and re-binding
+    the body's own ``pvary`` on it would fail. The value is the same either
+    way (``pvary`` is a type cast).
     """
-    aval = jax.typeof(x)
-    mat = getattr(aval, "mat", None)
-    have = getattr(mat, "varying", None) or getattr(aval, "vma", frozenset())
+    have = _jax.varying_axes(x)
     missing = tuple(a for a in axes if a not in have)
     return lax.pcast(x, missing, to="varying") if missing else x
 
