@@ -156,8 +156,9 @@ def main(argv: list[str] | None = None) -> None:
 
     argv = sys.argv[1:] if argv is None else argv
     size = "small" if "--small" in argv else "bench"
-    print(f"residual MLP {SIZES[size]}, 8 CPU host devices, per-device compiled peaks "
-          f"(jax {jax.__version__})")
+    what = ("zoo GPT (transformer), 4 sequences per device" if "--zoo-only" in argv
+            else f"residual MLP {SIZES[size]}" + (" and the zoo GPT" if "--zoo" in argv else ""))
+    print(f"{what}, 8 CPU host devices, per-device compiled peaks (jax {jax.__version__})")
     print("| step | plain jit | jaxmem | saved | share of jit batch's saving | plan |")
     print("|---|---|---|---|---|---|")
     ref = None
