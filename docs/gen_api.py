@@ -37,6 +37,8 @@ SECTIONS: list[tuple[str, str, list[str] | None]] = [
     ("jaxmem.state_offload", "jaxmem.state_offload", None),
     ("jaxmem.scans", "jaxmem.scans", None),
     ("jaxmem.budget.scans", "jaxmem.budget.scans", None),
+    ("jaxmem.shard_map", "jaxmem.shard_map", None),
+    ("Many processes (jaxmem.multihost)", "jaxmem.multihost", None),
     ("jaxmem.losses", "jaxmem.losses", None),
     ("Chunking", "jaxmem", ["chunked", "chunked_cross_entropy"]),
     ("jaxmem.flax.linen", "jaxmem.flax.linen", None),

@@ -14,6 +14,8 @@ Public entry points (see README.md and docs/):
 - :mod:`jaxmem.managed_memory` — CUDA Unified Memory for XLA's GPU client.
 - :mod:`jaxmem.plan_cache` — plans kept across calls, processes and hosts
   (``JAXMEM_PLAN_CACHE_DIR``).
+- :class:`jaxmem.PlanMismatchError` — the processes of a ``jax.distributed`` job planned a
+  step differently (:mod:`jaxmem.multihost` checks every new plan's fingerprint).
 """
 
 from jaxmem import managed_memory, measure, plan_cache, policies, primitives, program, targets
@@ -21,6 +23,7 @@ from jaxmem.analysis import Analysis, Residual, analyze
 from jaxmem.budget import Budget, BudgetError
 from jaxmem.chunked import chunked, chunked_cross_entropy
 from jaxmem.costmodel import DeviceProfile
+from jaxmem.multihost import PlanMismatchError
 from jaxmem.optimized import Optimized, optimize, pareto
 from jaxmem.plan import Choice, Decision, Plan
 from jaxmem.program import Program, TraceError, trace
@@ -49,7 +52,8 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "Analysis", "Budget", "BudgetError", "Checkpointed", "Choice", "Decision", "DeviceProfile",
-    "Optimized", "Plan", "Program", "Residual", "TraceError", "analyze", "checkpoint",
-    "chunked", "chunked_cross_entropy", "flax", "managed_memory", "measure", "offload_name",
-    "optimize", "pareto", "plan_cache", "policies", "primitives", "program", "targets", "trace",
+    "Optimized", "Plan", "PlanMismatchError", "Program", "Residual", "TraceError", "analyze",
+    "checkpoint", "chunked", "chunked_cross_entropy", "flax", "managed_memory", "measure",
+    "offload_name", "optimize", "pareto", "plan_cache", "policies", "primitives", "program",
+    "targets", "trace",
 ]

@@ -107,8 +107,39 @@ def bind_params(eqn: JaxprEqn) -> dict[str, Any]:
 
 
 def bind(eqn: JaxprEqn, *args: Any) -> list[Any]:
-    out = eqn.primitive.bind(*args, **bind_params(eqn))
+    out = eqn.primitive.bind(*_match_varying(eqn, args), **bind_params(eqn))
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _match_varying(eqn: JaxprEqn, args: Sequence[Any]) -> Sequence[Any]:
+    """``args`` cast up to the manual axes the most varying of them varies over, where the
+    traced equation's inputs all varied alike but the re-bound ones do not.
+
+    Inside ``shard_map`` an optimisation barrier makes all its operands vary over the same
+    axes, so a parameter re-created behind one varies where the traced program had it
+    invariant; JAX inserts that cast itself for most primitives, not all
+    (``random_fold_in``). The values are the same (the cast is a type change). Outside
+    ``shard_map`` nothing varies and nothing changes."""
+    if len(args) < 2:
+        return args
+    kinds = [varying_axes(a) for a in args]
+    if len(set(kinds)) <= 1 or len({_aval_varying(v.aval) for v in eqn.invars}) > 1:
+        return args
+    union = frozenset().union(*kinds)
+    from jax import lax
+
+    return [a if k == union else lax.pcast(a, tuple(sorted(union - k, key=str)), to="varying")
+            for a, k in zip(args, kinds, strict=True)]
+
+
+def _aval_varying(aval: Any) -> frozenset[Any]:
+    mat = getattr(aval, "mat", None)
+    return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", None) or ())
+
+
+def varying_axes(x: Any) -> frozenset[Any]:
+    """The manual mesh axes a value varies over inside ``shard_map`` (empty outside)."""
+    return _aval_varying(jax.typeof(x))
 
 
 # --- residual introspection ---------------------------------------------------------------
@@ -200,6 +231,65 @@ def jit_inlinable(eqn: JaxprEqn) -> bool:
         if any(lay is not None for lay in p.get(key, ())):
             return False
     return not p.get("compiler_options_kvs")
+
+
+# --- shardings -----------------------------------------------------------------------------
+
+def shards(aval: Any) -> int:
+    """Into how many pieces an array of ``aval`` is split across devices, by the mesh axes
+    its type names (sharding in types: ``Explicit`` mesh axes in its spec); 1 where the type
+    says nothing (``Auto`` axes, where XLA chooses, or no mesh)."""
+    try:
+        sharding = getattr(aval, "sharding", None)
+    except Exception:  # noqa: BLE001 - avals without a sharding (tokens)
+        return 1
+    spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
+    if not spec or mesh is None:
+        return 1
+    explicit = set(getattr(mesh, "explicit_axes", ()) or ())
+    n = 1
+    for entry in spec:
+        for axis in entry if isinstance(entry, tuple) else (entry,):
+            if axis is not None and axis in explicit:
+                n *= int(mesh.shape[axis])
+    return n
+
+
+# --- jaxpr surgery (jaxmem.shard_map) ------------------------------------------------------
+
+def closed_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any] = ()) -> ClosedJaxpr:
+    return ClosedJaxpr(jaxpr, list(consts))
+
+
+def replace_params(eqn: JaxprEqn, params: dict[str, Any]) -> JaxprEqn:
+    """``eqn`` with new params (same inputs, outputs, effects and source info)."""
+    return eqn.replace(params=dict(params))
+
+
+def with_eqns(jaxpr: Jaxpr, eqns: Sequence[JaxprEqn]) -> Jaxpr:
+    """``jaxpr`` with its equations replaced (same inputs, outputs and effects)."""
+    return jaxpr.replace(eqns=list(eqns))
+
+
+def shard_map_kwargs(eqn: JaxprEqn) -> dict[str, Any]:
+    """``jax.shard_map`` keyword arguments that re-create a ``shard_map`` equation (its
+    params: ``mesh``, ``in_specs``, ``out_specs``, ``check_vma``, ``newly_manual_axes``)."""
+    p = eqn.params
+    kw: dict[str, Any] = dict(mesh=p["mesh"], in_specs=tuple(p["in_specs"]),
+                              out_specs=tuple(p["out_specs"]))
+    if "check_vma" in p:
+        kw["check_vma"] = p["check_vma"]
+    elif "check_rep" in p:  # pragma: no cover - older jax
+        kw["check_vma"] = p["check_rep"]
+    axes = p.get("newly_manual_axes", p.get("manual_axes"))
+    if axes is not None:
+        kw["axis_names"] = set(axes)
+    return kw
+
+
+def jaxpr_fun(closed: ClosedJaxpr) -> Any:
+    """``closed`` as a function of its flat inputs returning its flat outputs."""
+    return jcore.jaxpr_as_fun(closed)
 
 
 # --- managed memory (jaxmem.managed_memory) -----------------------------------------------
@@ -329,6 +419,13 @@ def is_tracer(x: Any) -> bool:
 
 
 _SCAN_PATCH_LOCK = __import__("threading").RLock()
+
+
+def tracing() -> bool:
+    """Whether JAX is tracing right now (inside ``jit``, ``make_jaxpr``, a transform)."""
+    from jax._src import core
+
+    return not core.trace_state_clean()
 
 
 def under_differentiation() -> bool:

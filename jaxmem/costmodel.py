@@ -47,6 +47,8 @@ class DeviceProfile:
       host_bw: host link bandwidth (PCIe / NVLink-C2C), bytes/s, per direction.
       overlap: fraction of the step's compute time that host transfers can hide under
         (copies run on their own engine; 1.0 = perfectly overlapped).
+      interconnect_bw: device-to-device bandwidth (NVLink, ICI), bytes/s per direction:
+        what a collective re-run in the backward pass costs (an FSDP re-gather).
     """
 
     name: str
@@ -54,6 +56,7 @@ class DeviceProfile:
     memory_bw: float
     host_bw: float
     overlap: float = 0.8
+    interconnect_bw: float = 1.0e10
 
     def node_time(self, flops: float, nbytes: float) -> float:
         """Roofline time of one node: the larger of compute and memory time."""
@@ -61,6 +64,10 @@ class DeviceProfile:
 
     def transfer_time(self, nbytes: float) -> float:
         return nbytes / self.host_bw
+
+    def collective_time(self, nbytes: float) -> float:
+        """Seconds to move ``nbytes`` into one device over the interconnect."""
+        return nbytes / self.interconnect_bw
 
     @staticmethod
     def get(profile: DeviceProfile | str | None = None) -> DeviceProfile:
@@ -92,11 +99,13 @@ class DeviceProfile:
 #: (per direction): A100-80GB SXM 312 TFLOP/s, 2.04 TB/s, PCIe4 x16 ~25 GB/s;
 #: H100 SXM 989 TFLOP/s, 3.35 TB/s, PCIe5 x16 ~55 GB/s; H200 989 TFLOP/s, 4.8 TB/s, ~55 GB/s.
 #: CPU is a 2-core laptop-class guess: 100 GFLOP/s, 20 GB/s, host "link" = memcpy 10 GB/s.
+#: Interconnect, per direction: NVLink 3 (A100) 300 GB/s, NVLink 4 (H100, H200) 450 GB/s;
+#: CPU host devices share memory (memcpy, 10 GB/s).
 PROFILES: dict[str, DeviceProfile] = {
-    "cpu": DeviceProfile("cpu", 1.0e11, 2.0e10, 1.0e10),
-    "a100": DeviceProfile("a100", 3.12e14, 2.04e12, 2.5e10),
-    "h100": DeviceProfile("h100", 9.89e14, 3.35e12, 5.5e10),
-    "h200": DeviceProfile("h200", 9.89e14, 4.8e12, 5.5e10),
+    "cpu": DeviceProfile("cpu", 1.0e11, 2.0e10, 1.0e10, interconnect_bw=1.0e10),
+    "a100": DeviceProfile("a100", 3.12e14, 2.04e12, 2.5e10, interconnect_bw=3.0e11),
+    "h100": DeviceProfile("h100", 9.89e14, 3.35e12, 5.5e10, interconnect_bw=4.5e11),
+    "h200": DeviceProfile("h200", 9.89e14, 4.8e12, 5.5e10, interconnect_bw=4.5e11),
 }
 
 

@@ -37,11 +37,13 @@ from jaxmem.budget.scans import choose_for
 from jaxmem.liveness import liveness
 from jaxmem.losses import logits_notes
 from jaxmem.measure import Figures, fmt_bytes
+from jaxmem.multihost import check_same_plan
 from jaxmem.plan import Decision, Plan
 from jaxmem.policies import utility
 from jaxmem.program import Program, backward_in_units, check_leaves, from_jaxpr, trace
 from jaxmem.rewrite import apply
 from jaxmem.scans import TrainBodies, loop_plan
+from jaxmem.shard_map import BodyPlanner, plan_bodies
 from jaxmem.tags import offload_tagged, offload_tags_out_of_reach
 
 STRATEGIES = ("auto", "none")
@@ -260,6 +262,7 @@ class Optimized:
         entry = self._cache.get(key)
         if entry is None:
             entry = self._build(args, static, dyn_args, kwargs, dict(static_kw), leaf_static)
+            check_same_plan(entry.plan, getattr(self.fn, "__name__", "the step"))  # multihost
             self._cache[key] = entry
         out_tree = entry.analysis.program.out_tree
         if entry.host_state:
@@ -325,7 +328,8 @@ class Optimized:
         planning = program.has_backward and self.strategy != "none"
         # The plan cache holds plans; a step that streams its state from host memory decides
         # that per call of the budget search, so it is planned afresh.
-        key = plan_cache.fingerprint(program.jaxpr, (platform, _device_kind(flat)),
+        key = plan_cache.fingerprint(program.jaxpr, (platform, _device_kind(flat),
+                                                     _shardings(flat)),
                                      self._options(donate_flat)) \
             if planning and self.offload_state is False else None
         cached = plan_cache.load(key) if key else None
@@ -340,7 +344,7 @@ class Optimized:
         # A budget the plain step already fits drops nothing: run the plain step itself (its
         # figures are the ones the budget was checked against).
         nothing = (self.budget is not None and not (plan.recompute or plan.offload)
-                   and body is None)
+                   and body is None and not plan.inner)
         jitted = (plain if (plan.strategy == "none" and body is None) or nothing
                   else jit_plan(plan))
         host_state: tuple[int, ...] = ()
@@ -415,7 +419,8 @@ class Optimized:
             plan = strategies.plan_offload(analysis, plan, offload=self.offload)
             plan = dataclasses.replace(plan, donated=donated)
         if self.budget is not None and not planning:
-            plan, compiled = self._unplanned_budget(plan, analysis, plain, flat)
+            plan, compiled = self._unplanned_budget(plan, analysis, plain, flat,
+                                                    jit_plan(plan) if plan.inner else None)
         plan = dataclasses.replace(plan, notes=plan.notes + logits_notes(analysis))
         if (self.verify and self.budget is None and plan.recompute and not plan.offload):
             plan, compiled = self._verified(plan, analysis, jit_plan, plain, dyn_args, kwargs)
@@ -436,8 +441,10 @@ class Optimized:
                 max_recompute_fraction=self.max_recompute_fraction))
             with _jax.checkpointed_scan_bodies(policy, bodies):
                 program = trace(fn, *dyn_args, **kwargs)
-            self._loop_plans = tuple(bodies.plans)
-            if program.has_backward or bodies.plans:
+            sharded = BodyPlanner(self.max_recompute_fraction, self.verify)  # shard_map DP
+            program = plan_bodies(program, sharded)
+            self._loop_plans = tuple(bodies.plans) + tuple(sharded.plans)
+            if program.has_backward or self._loop_plans:
                 return program
         return trace(fn, *dyn_args, **kwargs)  # nothing differentiated: trace it untouched
 
@@ -457,13 +464,24 @@ class Optimized:
                                     max_recompute_fraction=self.max_recompute_fraction)
 
     def _unplanned_budget(self, plan: Plan, analysis: Analysis, plain: Any,
-                          flat: Sequence[Any]) -> tuple[Plan, Any]:
+                          flat: Sequence[Any], planned: Any = None) -> tuple[Plan, Any]:
         """A budget on a step with nothing to plan (no backward pass at the top level, or
         ``strategy="none"``): the plain step runs, so its compiled peak must fit, or
-        ``BudgetError`` (a budget is a guarantee, never a hint)."""
+        ``BudgetError`` (a budget is a guarantee, never a hint). ``planned``: the step with
+        its loop or shard_map bodies planned, which runs if its compiled peak fits."""
         exe = measure.compile(plain.lower(*flat))
         base = _read(exe, plain, flat)
         requested = resolve_budget(self.budget, base.peak)
+        if planned is not None:  # bodies planned as steps of their own (loops, shard_map)
+            planned_exe = measure.compile(planned.lower(*flat))
+            fig = _read(planned_exe, planned, flat)
+            if fig.peak <= requested:
+                note = (f"bodies planned as steps of their own (without the budget): the "
+                        f"step's compiled peak {fmt_bytes(fig.peak)} fits the budget "
+                        f"{fmt_bytes(requested)}")
+                return dataclasses.replace(plan, budget=requested, notes=plan.notes + (note,),
+                                           compiled=fig, baseline=base), planned_exe
+            plan = dataclasses.replace(plan, inner=())  # the plain step, if anything fits
         why = (_why_unplanned(self.fn, analysis) if not analysis.program.has_backward
                else 'strategy="none" runs the plain step')
         if base.peak > requested:
@@ -636,6 +654,12 @@ def _rewrite_key(plan: Plan) -> Any:
     it compile to one program."""
     return (plan.recompute, plan.offload, plan.region_depth, plan.keep,
             frozenset(c.residual.value for c in plan.choices))
+
+
+def _shardings(flat: Sequence[Any]) -> tuple[str, ...]:
+    """The arguments' shardings, for the plan cache: a jaxpr traced on an ``Auto`` mesh
+    does not show them, yet per-device sizes (and so plans and figures) follow them."""
+    return tuple(repr(getattr(x, "sharding", None)) for x in flat)
 
 
 def _device_kind(flat: Sequence[Any]) -> str:

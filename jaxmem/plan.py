@@ -60,6 +60,34 @@ class Plan:
     keep: frozenset[int] = frozenset()
     # The optimizer state kept in host memory (jaxmem.state_offload.StateOffload), if any.
     state_offload: Any = None
+    # Plans of bodies planned as steps of their own (gradient-accumulation loops, shard_map
+    # bodies), in program order: part of what the step runs.
+    inner: tuple[Plan, ...] = ()
+
+    def fingerprint(self) -> str:
+        """A stable hash of what the plan makes the step do: each residual's decision (by
+        value id and size), the region depth, the values kept, the state held in host memory
+        and the inner bodies' plans. Notes, timings and figures are left out: two processes
+        that trace the same program and plan alike get the same fingerprint.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, jaxmem
+          >>> step = jax.value_and_grad(lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2))
+          >>> args = jnp.ones((8, 8)), jnp.ones((4, 8))
+          >>> a = jaxmem.analyze(step, *args)
+          >>> from jaxmem.strategies import plan_auto
+          >>> plan_auto(a).fingerprint() == plan_auto(a).fingerprint()
+          True
+        """
+        import hashlib
+
+        so = self.state_offload
+        parts = (tuple((c.residual.value, c.residual.nbytes, c.decision.value)
+                       for c in self.choices),
+                 self.region_depth, tuple(sorted(self.keep)),
+                 None if so is None else (tuple(so.inputs), tuple(so.outputs)),
+                 tuple(p.fingerprint() for p in self.inner))
+        return hashlib.sha256(repr(parts).encode()).hexdigest()
 
     def of(self, decision: Decision) -> tuple[Choice, ...]:
         return tuple(c for c in self.choices if c.decision is decision)

@@ -19,6 +19,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from jaxmem import _jax
+
 
 class Kind(enum.StrEnum):
     """What a node (or a value, by its producer) is, for recompute decisions.
@@ -129,7 +131,9 @@ def size(aval: Any) -> int:
 
 
 def nbytes(aval: Any) -> int:
-    """Bytes of one array of ``aval`` (0 for tokens and other non-arrays)."""
+    """Bytes of one array of ``aval`` on one device (0 for tokens and other non-arrays):
+    the whole array, or one shard where its type says it is sharded (``Explicit`` mesh
+    axes; :func:`jaxmem._jax.shards`)."""
     dtype = getattr(aval, "dtype", None)
     if dtype is None:
         return 0
@@ -137,7 +141,7 @@ def nbytes(aval: Any) -> int:
         itemsize = dtype.itemsize
     except AttributeError:  # extended dtypes (PRNG keys)
         itemsize = getattr(dtype, "itemsize", 8) or 8
-    return size(aval) * int(itemsize)
+    return size(aval) * int(itemsize) // _jax.shards(aval)
 
 
 def flops(name: str, in_avals: Sequence[Any], out_avals: Sequence[Any],

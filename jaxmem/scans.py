@@ -335,9 +335,12 @@ def loop_plan(analysis: Any, inner: Sequence[Any]) -> Any:
     everything outside, and say what each body's own plan does."""
     from jaxmem.strategies import plan_none
 
-    notes = tuple(
-        f"loop body {i} planned as a train step: {p.strategy}, {len(p.recompute)} of "
-        f"{len(p.choices)} residuals recomputed per iteration, "
-        f"{p.recompute_flops / 1e9:.4f} GFLOP per iteration" for i, p in enumerate(inner))
+    def note(i: int, p: Any) -> str:
+        per = "per device" if p.strategy.startswith("shard_map") else "per iteration"
+        return (f"{'body' if per == 'per device' else 'loop body'} {i} planned as a train "
+                f"step: {p.strategy}, {len(p.recompute)} of {len(p.choices)} residuals "
+                f"recomputed {per}, {p.recompute_flops / 1e9:.4f} GFLOP {per}")
+
+    notes = tuple(note(i, p) for i, p in enumerate(inner))
     return dataclasses.replace(plan_none(analysis), strategy="auto: inside loops",
-                               notes=notes)
+                               notes=notes, inner=tuple(inner))

@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxmem import _jax
+
 _SELECTS = ("ge", "le", "gt", "lt")
 
 
@@ -104,8 +106,22 @@ def _select_and_scatter_add_supported(params: dict[str, Any], avals: list[Any]) 
     return math.prod(params["window_dimensions"]) <= 64
 
 
+def pvary(x: Any, *, axes: tuple[Any, ...], **params: Any) -> Any:
+    """``pvary`` over the axes ``x`` does not vary over yet; ``x`` itself if none.
+
+    Inside a ``shard_map`` body a value re-created behind an optimisation barrier already
+    varies over the barrier's axes (JAX makes all its operands vary alike), and re-binding
+    the body's own ``pvary`` on it would fail. The value is the same either
+    way (``pvary`` is a type cast).
+    """
+    have = _jax.varying_axes(x)
+    missing = tuple(a for a in axes if a not in have)
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
 SUBSTITUTES: dict[str, tuple[Callable[..., Any], Callable[[dict[str, Any], list[Any]], bool]]] = {
     "select_and_scatter_add": (select_and_scatter_add, _select_and_scatter_add_supported),
+    "pvary": (pvary, lambda params, avals: True),
 }
 """Primitive name -> (equivalent function, ``supported(params, in_avals)``)."""
 

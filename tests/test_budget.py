@@ -206,6 +206,20 @@ def test_exact_time_limit_falls_back():
     assert any("greedy" in n or "exact" in n for n in plan.notes)
 
 
+def test_exact_solver_is_bounded_by_work_not_time():
+    """Plans are a pure function of the program (issue 17): no wall-clock limit by default,
+    and a node limit gives the same plan every time, however fast the machine is."""
+    import inspect
+
+    assert Budget(0.7).time_limit is None
+    assert inspect.signature(exact).parameters["time_limit"].default is None
+    step, args = _mlp(depth=4, batch=128)
+    a = from_program(jaxmem.trace(step, *args))
+    plans = [plan_with_budget(a, Budget(0.7, solver="exact", node_limit=1)) for _ in range(2)]
+    assert plans[0].fingerprint() == plans[1].fingerprint()
+    assert not any(" s limit" in n or "time limit" in n for n in plans[0].notes)
+
+
 def test_pareto_rows(mlp):
     step, args, _ = mlp
     sweep = jaxmem.pareto(step, *args, budgets=(1.0, 0.9), donate_argnums=())

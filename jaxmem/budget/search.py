@@ -88,10 +88,12 @@ class _Search:
                  compile_plan: Callable[[Plan], Figures] | None,
                  compile_plain: Callable[[], Figures] | None, device_peak: DevicePeak | None,
                  offload: bool | str, solver: str, profile: DeviceProfile | str | None,
-                 max_compiles: int, time_limit: float) -> None:
+                 max_compiles: int, time_limit: float | None, node_limit: int = 5000
+                 ) -> None:
         self.t_start = time.perf_counter()
         self.analysis, self.auto, self.compile_plan = analysis, auto, compile_plan
         self.solver, self.max_compiles, self.time_limit = solver, max_compiles, time_limit
+        self.node_limit = node_limit
         self.device_peak = device_peak or (lambda plan, fig: (fig.peak, None))
         self.notes: list[str] = []
         if compile_plan is not None:
@@ -288,24 +290,29 @@ class _Search:
         model, limit = self.model, self.time_limit
         t0 = time.perf_counter()
         d, o, status = exact(model, aim, allow_offload=self.allow_off,
-                             forced_offload=self.forced, time_limit=limit)
+                             forced_offload=self.forced, node_limit=self.node_limit,
+                             time_limit=limit)
         dt = time.perf_counter() - t0
-        if status == "optimal" or (status == "time limit" and (d or o)):
+        if status == "optimal" or (status == "work limit" and (d or o)):
             ev = model.evaluate(d, o)
             if status != "optimal":
                 gd, go, gfits = greedy(model, aim, allow_offload=self.allow_off,
                                        forced_offload=self.forced, start=self.floor)
                 if gfits and model.evaluate(gd, go).time < ev.time:
-                    self.notes.append(f"exact solver hit its {limit:g} s limit; greedy's "
+                    self.notes.append(f"exact solver hit its {self._limits()}; greedy's "
                                       "plan was better and is used")
                     return gd, go, True, "greedy"
-                self.notes.append(f"exact solver hit its {limit:g} s time limit: best "
+                self.notes.append(f"exact solver hit its {self._limits()}: best "
                                   "solution found, maybe not optimal")
             return d, o, ev.peak <= aim, f"exact ({status}, {dt:.2f} s)"
         if status == "infeasible":
             return frozenset(), frozenset(), False, "exact (infeasible)"
         self.notes.append(f"exact solver: {status} after {dt:.1f} s; fell back to greedy")
         return None
+
+    def _limits(self) -> str:
+        return (f"limit of {self.node_limit} nodes"
+                + (f" or {self.time_limit:g} s" if self.time_limit is not None else ""))
 
     # -- results ------------------------------------------------------------------------------
     def _elapsed(self) -> str:
@@ -399,4 +406,5 @@ def plan_with_budget(analysis: Analysis, budget: Any, *, auto: Plan | None = Non
         analysis, spec, auto=auto, compile_plan=compile_plan, compile_plain=compile_plain,
         device_peak=device_peak, offload=offload, solver=solver or spec.solver,
         profile=profile, max_compiles=max_compiles or spec.max_compiles,
-        time_limit=spec.time_limit if time_limit is None else time_limit).run()
+        time_limit=spec.time_limit if time_limit is None else time_limit,
+        node_limit=spec.node_limit).run()

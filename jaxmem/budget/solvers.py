@@ -364,8 +364,8 @@ class _Milp:
             self.rows.append((t, -np.inf, p.overlap * m.step_time))
         return c * 1e6  # costs in microseconds, for HiGHS' tolerances
 
-    def solve(self, c: np.ndarray, mem_rows: range, forced: set[int], time_limit: float
-              ) -> Any:
+    def solve(self, c: np.ndarray, mem_rows: range, forced: set[int], node_limit: int,
+              time_limit: float | None = None) -> Any:
         from scipy.optimize import Bounds, LinearConstraint, milp
         from scipy.sparse import coo_matrix
 
@@ -389,17 +389,25 @@ class _Milp:
                 lo_b[j] = 1
             if key[0] == "e":
                 hi_b[j] = np.inf
+        # Bounded by work (branch-and-bound nodes), not time: the plan must not depend on
+        # how fast this machine is (every process of a multi-host job plans the same).
+        options: dict[str, Any] = {"node_limit": int(node_limit), "disp": False}
+        if time_limit is not None:
+            options["time_limit"] = float(time_limit)
         return milp(c, constraints=LinearConstraint(A, lb, ub), integrality=integrality,
-                    bounds=Bounds(lo_b, hi_b), options={"time_limit": float(time_limit),
-                                                       "disp": False})
+                    bounds=Bounds(lo_b, hi_b), options=options)
 
 
 def exact(model: CostModel, limit: int, *, allow_offload: bool = False,
-          forced_offload: Iterable[int] = (), time_limit: float = 10.0
-          ) -> tuple[frozenset[int], frozenset[int], str]:
+          forced_offload: Iterable[int] = (), node_limit: int = 5000,
+          time_limit: float | None = None) -> tuple[frozenset[int], frozenset[int], str]:
     """Solve the model exactly with scipy's ``milp`` (HiGHS), predicted peak at most ``limit``.
 
-    Returns ``(drop, offload, status)`` where status is ``"optimal"``, ``"time limit"``
+    The search is bounded by ``node_limit`` branch-and-bound nodes, so its answer is a pure
+    function of the model; ``time_limit`` (seconds, default none) adds a wall-clock bound,
+    which makes the answer depend on the machine's speed.
+
+    Returns ``(drop, offload, status)`` where status is ``"optimal"``, ``"work limit"``
     (feasible, maybe not optimal), ``"infeasible"`` or another failure string (then the
     sets are empty).
     """
@@ -410,13 +418,13 @@ def exact(model: CostModel, limit: int, *, allow_offload: bool = False,
     lp.storage_rows()
     lp.chain_rows()
     mem_rows = lp.memory_rows(model.unscale(limit))
-    res = lp.solve(lp.objective(), mem_rows, forced, time_limit)
+    res = lp.solve(lp.objective(), mem_rows, forced, node_limit, time_limit)
     if res.x is None:
         status = "infeasible" if res.status == 2 else f"failed ({res.message})"
         if res.status == 1:
-            status = "time limit"
+            status = "work limit"
         return frozenset(), frozenset(), status
     x = res.x
     drop = frozenset(v for v in lp.cand if x[lp.col[("d", v)]] > 0.5)
     off = frozenset(v for v in offl if x[lp.col[("o", v)]] > 0.5)
-    return drop, off, "optimal" if res.status == 0 else "time limit"
+    return drop, off, "optimal" if res.status == 0 else "work limit"

@@ -42,14 +42,18 @@ class Budget:
       solver: ``"auto"`` (exact when small enough, else greedy), ``"greedy"`` or ``"exact"``.
       profile: a :class:`DeviceProfile` or preset name; ``None`` detects the device.
       max_compiles: compiles the plan/compile/check loop may spend (baseline included).
-      time_limit: seconds for the exact solver before it falls back to greedy.
+      node_limit: branch-and-bound nodes the exact solver may explore before it falls back
+        to greedy (a bound on work, so every process plans the same).
+      time_limit: seconds for the exact solver (default none). A wall-clock bound makes the
+        plan depend on the machine's speed: processes of one job may then plan differently.
     """
 
     value: Any
     solver: str = "auto"
     profile: DeviceProfile | str | None = None
     max_compiles: int = 6
-    time_limit: float = 10.0
+    time_limit: float | None = None
+    node_limit: int = 5000
 
     def __post_init__(self) -> None:
         if self.solver not in ("auto", "greedy", "exact"):
