@@ -33,7 +33,7 @@ from jaxmem import (
 from jaxmem.analysis import Analysis, from_program
 from jaxmem.budget import BudgetError, Pareto, parse_budget, plan_with_budget, resolve_budget
 from jaxmem.budget.pareto import sweep
-from jaxmem.budget.scans import choose_for
+from jaxmem.budget.scans import auto_choice, choose_for
 from jaxmem.liveness import liveness
 from jaxmem.losses import logits_notes
 from jaxmem.measure import Figures, fmt_bytes
@@ -41,7 +41,7 @@ from jaxmem.plan import Decision, Plan
 from jaxmem.policies import utility
 from jaxmem.program import Program, backward_in_units, check_leaves, from_jaxpr, trace
 from jaxmem.rewrite import apply
-from jaxmem.scans import TrainBodies, loop_plan
+from jaxmem.scans import TrainBodies, bodies_only, loop_plan
 from jaxmem.tags import offload_tagged, offload_tags_out_of_reach
 
 STRATEGIES = ("auto", "none")
@@ -309,8 +309,12 @@ class Optimized:
         body = None  # a budget picks the scan bodies' policy too (jaxmem.budget.scans)
         if self.budget is not None and self.remat_scans is True and self.strategy != "none":
             body = choose_for(self, fn, dyn_args, kwargs)
-        program = structure.label(
-            self._trace(fn, dyn_args, kwargs, None if body is None else body.policy))
+        lean = None  # no budget: a leaner body policy within the FLOP cap, compile-checked
+        if self.budget is None and self.remat_scans is True and self.strategy != "none" \
+                and self.verify:
+            lean = auto_choice(self, fn, dyn_args, kwargs)
+        program = structure.label(self._trace(
+            fn, dyn_args, kwargs, body.policy if body else lean[0] if lean else None))
         analysis = from_program(program)
         flat = jax.tree_util.tree_leaves((dyn_args, kwargs))
         platform = targets.platform_of(flat) or jax.default_backend()
@@ -335,6 +339,7 @@ class Optimized:
         else:
             plan, compiled, stream_state = self._make_plan(analysis, jit_plan, plain, dyn_args,
                                                            kwargs, donated, platform, body)
+            plan = dataclasses.replace(plan, notes=plan.notes + (lean[1] if lean else ()))
             if key:
                 plan_cache.store(key, plan)
         # A budget the plain step already fits drops nothing: run the plain step itself (its
@@ -511,6 +516,8 @@ class Optimized:
         variants = [dataclasses.replace(p, donated=plan.donated) for p in
                     strategies.auto_candidates(
                         analysis, max_recompute_fraction=self.max_recompute_fraction)]
+        if self.remat_scans:  # scanned layers: their body policy alone is a candidate too
+            variants += bodies_only(analysis, plan.donated)
         variants = variants or [plan]
         jitted_all = [plain] + [jit_plan(p) for p in variants]
         # Lowering holds the GIL, XLA's compile does not: compile the candidates side by side.
