@@ -153,6 +153,24 @@ def test_budget_is_met_inside_a_scan_with_the_fewest_flops():
     _assert_close(new, ref, "params", 1e-6)
 
 
+def test_auto_mode_compiles_a_leaner_body_within_the_flop_cap():
+    """No budget: a body policy that keeps fewer bytes than MEDL's rule, within the FLOP cap,
+    is compiled beside it (nothing dropped outside the scan) and kept when its peak is lower;
+    the body policy alone is one of the verified candidates. Same results as jax.jit."""
+    args = _mlp_args()
+    lean = jaxmem.optimize(_mlp_stack_step, donate_argnums=(), max_recompute_fraction=0.5)
+    medl = jaxmem.optimize(_mlp_stack_step, donate_argnums=(), max_recompute_fraction=0.5,
+                           remat_scans=jaxmem.policies.utility)
+    plan, ref_plan = lean.plan(*args), medl.plan(*args)
+    assert any(n.startswith("scan bodies: policy") for n in plan.notes), plan.notes
+    assert plan.compiled.peak < ref_plan.compiled.peak
+    assert plan.compiled.flops <= 1.5 * plan.baseline.flops
+    assert any("scan bodies only" in n for n in ref_plan.notes), ref_plan.notes
+    (new, loss), (ref, loss_ref) = lean(*args), jax.jit(_mlp_stack_step)(*args)
+    np.testing.assert_allclose(loss, loss_ref, rtol=1e-6)
+    _assert_close(new, ref, "params", 1e-6)
+
+
 def test_a_policy_passed_as_remat_scans_is_used():
     args = _mlp_args()
     full = jaxmem.optimize(_mlp_stack_step, remat_scans=BodyPolicy("full"), verify=False,
