@@ -248,6 +248,7 @@ def candidates(values: Sequence[BodyValue], *, offload: bool = False) -> list[Bo
         if offload and k < len(order):
             rest = tuple(v.key for v in order[k:])
             out.append(BodyPolicy(f"ladder-{k}+offload", save=keep, offload=rest))
+    out += _mixes(order)
     out += _maxtext(values, offload)
     seen: set[Any] = set()
     unique = []
@@ -257,6 +258,27 @@ def candidates(values: Sequence[BodyValue], *, offload: bool = False) -> list[Bo
             seen.add(sig)
             unique.append(p)
     return unique
+
+
+def _mixes(order: Sequence[BodyValue], most: int = 12, points: int = 16) -> list[BodyPolicy]:
+    """Finer mixes than the ladder: the sets of values that keep the most FLOPs for their
+    bytes (the Pareto front of an exact 0/1 knapsack over the subsets, FLOPs and bytes taken
+    as additive; the trace that follows gives the exact ones), thinned to ``points``. The
+    ladder is greedy by FLOPs per byte: a mix can keep one large expensive value in place of
+    several cheap ones at the same bytes. ``[]`` above ``most`` values (2**most subsets)."""
+    if len(order) > most:
+        return []
+    subsets = []
+    for mask in range(1 << len(order)):
+        kept = [v for i, v in enumerate(order) if mask >> i & 1]
+        subsets.append((sum(v.nbytes for v in kept), -sum(v.flops for v in kept), kept))
+    front: list[tuple[int, float, list[BodyValue]]] = []
+    for nbytes, neg, kept in sorted(subsets, key=lambda t: (t[0], t[1])):
+        if not front or neg < front[-1][1]:  # more FLOPs kept than any smaller set
+            front.append((nbytes, neg, kept))
+    step = max(1, -(-len(front) // points))
+    return [BodyPolicy(f"mix-{nbytes}", save=tuple(v.key for v in kept))
+            for nbytes, _, kept in front[::step]]
 
 
 def preset_policy(name: str) -> BodyPolicy:
