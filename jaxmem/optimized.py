@@ -778,9 +778,11 @@ def optimize(fn: Callable[..., Any] | None = None, *, budget: Any = None,
         ``jax.jit``, at two or three extra compiles on the first call.
       remat_scans: run the bodies of ``lax.scan`` (``nn.scan``/``nnx.scan`` stacks) under
         ``jax.checkpoint(policy=jaxmem.policies.utility)`` while tracing, so layers inside a
-        scan save only their heavy outputs too (the joint rewrite keeps a scan whole). With
-        a ``budget``, the body's policy is planned too: per value in the layer (MaxText's
-        tagged names, or each matmul) keep, recompute or offload, the fewest FLOPs that fit
+        scan save only their heavy outputs too (the joint rewrite keeps a scan whole);
+        without a budget a leaner body policy within the FLOP cap is compiled beside it and
+        kept when lower (:func:`jaxmem.budget.scans.auto_choice`). With a ``budget``, the
+        body's policy is planned too: per value in the layer (MaxText's tagged names, or
+        each matmul) keep, recompute or offload, the fewest FLOPs that fit
         (:mod:`jaxmem.budget.scans`). A ``jax.checkpoint`` policy here is used as given.
       offload_state: keep the optimizer state (adam's moments) in ``pinned_host`` memory
         between steps and stream it through the update one layer at a time

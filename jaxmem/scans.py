@@ -234,7 +234,8 @@ def candidates(values: Sequence[BodyValue], *, offload: bool = False) -> list[Bo
 
     ``everything`` and ``utility`` (MEDL's rule), the ladder ``ladder-k`` (keep the ``k``
     values with the most FLOPs per byte; ``k = 0`` is ``full``, re-running the layer from
-    its input), MaxText's presets whose names the body has, and with ``offload`` the ladder's
+    its input), the mixes (the value sets that keep the most FLOPs for their bytes), MaxText's
+    presets whose names the body has, and with ``offload`` the ladder's
     rungs with every other value (the layer input included) offloaded instead of
     recomputed.
     """
