@@ -2,7 +2,7 @@
 preset, jaxmem.
 
 ``python -m benchmarks.llm_maxbatch [--size 1b] [--target h100] [--presets full,save_qkv_proj]
-[--layers N] [--max-batch 64] [--out results/llm_maxbatch]``
+[--layers N] [--chunk-loss 8] [--max-batch 64] [--out results/llm_maxbatch]``
 
 Compile-only (abstract arguments, ``jaxmem.targets``): the budget is the target's device
 memory (``device_memory_size`` of its config: 79.1 GiB on the H100 target), the step is the zoo's
@@ -36,8 +36,13 @@ from jaxmem import measure
 DONATE = (0,)
 
 
+CHUNK_LOSS = 0  # --chunk-loss: the zoo Llama's loss by jaxmem.chunked_cross_entropy
+
+
 def _args(size: str, batch: int, policy: Any, target: str, layers: int | None) -> Any:
     over = {"layers": layers} if layers else {}
+    if CHUNK_LOSS:
+        over["chunk_loss"] = CHUNK_LOSS
     w = zoo._make("llama_scan", size, batch, policy, 0, abstract=True,  # noqa: SLF001
                   overrides=over)
     return w, jaxmem.targets.place(w.args, target)
@@ -71,8 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, help="override the size's layer count")
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--no-jaxmem", action="store_true")
+    p.add_argument("--chunk-loss", type=int, default=0, help="token chunks of the loss "
+                   "(jaxmem.chunked_cross_entropy in place of the logits' cross-entropy)")
     p.add_argument("--out", type=Path, default=Path("results/llm_maxbatch"))
     a = p.parse_args(argv)
+    global CHUNK_LOSS
+    CHUNK_LOSS = a.chunk_loss
     a.out.mkdir(parents=True, exist_ok=True)
     budget = int(jaxmem.targets.get(a.target).memory_bytes)
     points = a.out / "points.jsonl"
@@ -83,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         peak, note = peak_of(variant, a.size, batch, a.target, budget, a.layers)
         fits = peak is not None and peak <= budget
         row = {"variant": variant, "size": a.size, "layers": a.layers, "target": a.target,
+               "chunk_loss": a.chunk_loss,
                "batch": batch, "peak": peak, "budget": budget, "fits": fits, "note": note,
                "seconds": round(time.perf_counter() - t, 1)}
         with points.open("a") as f:
@@ -97,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         p2, _ = peak_of(variant, a.size, 2, a.target, budget, a.layers)
         for b, pk in ((1, p1), (2, p2)):
             with points.open("a") as f:
-                f.write(json.dumps({"variant": variant, "batch": b, "peak": pk,
+                f.write(json.dumps({"variant": variant, "chunk_loss": a.chunk_loss,
+                                    "batch": b, "peak": pk,
                                     "budget": budget, "fits": pk <= budget}) + "\n")
             if pk <= budget:
                 best[variant] = max(best.get(variant, 0), b)
@@ -115,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             b += 1
     (a.out / "summary.json").write_text(json.dumps(
         {"size": a.size, "target": a.target, "budget": budget, "layers": a.layers,
+         "chunk_loss": a.chunk_loss,
          "max_batch": best}, indent=2))
     print(json.dumps(best))
     return 0
