@@ -22,7 +22,14 @@ from benchmarks.zoo.maxtext_presets import NAMES
 from jaxmem import _jax, measure
 from jaxmem.budget.scans import choose_for
 from jaxmem.program import trace
-from jaxmem.scans import MAXTEXT, BodyPolicy, body_values, candidates, preset_policy
+from jaxmem.scans import (
+    MAXTEXT,
+    BodyPolicy,
+    BodyValue,
+    body_values,
+    candidates,
+    preset_policy,
+)
 from tests._fast_compile import fast_compile
 
 _compile = fast_compile
@@ -64,6 +71,19 @@ def test_candidates_span_maxtext_presets_and_finer_mixes():
     assert {"everything", "utility", "full", "ladder-3", "ladder-3+offload"} <= set(names)
     assert "maxtext:minimal_offloaded" not in [
         p.name for p in candidates(body_values(trace(w.step, w.state, w.batch)))]
+
+
+def test_mixes_find_what_the_greedy_ladder_misses():
+    """One large value (10 bytes, 100 FLOPs) against two smaller ones (6 bytes, 55 FLOPs each):
+    the ladder (greedy by FLOPs per byte) keeps the large one first; at 12 bytes the two small
+    ones keep more FLOPs, and a mix says so."""
+    vals = [BodyValue(("name", "a"), "a", 10, 100.0), BodyValue(("name", "b"), "b", 6, 55.0),
+            BodyValue(("name", "c"), "c", 6, 55.0)]
+    pols = candidates(vals)
+    ladder = {frozenset(p.save) for p in pols if p.name.startswith("ladder")}
+    assert frozenset({("name", "b"), ("name", "c")}) not in ladder
+    assert any(p.name.startswith("mix-") and set(p.save) == {("name", "b"), ("name", "c")}
+               for p in pols)
 
 
 def _grads_under(w, policies):
