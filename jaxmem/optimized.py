@@ -33,7 +33,7 @@ from jaxmem import (
 from jaxmem.analysis import Analysis, from_program
 from jaxmem.budget import BudgetError, Pareto, parse_budget, plan_with_budget, resolve_budget
 from jaxmem.budget.pareto import sweep
-from jaxmem.budget.scans import choose_for
+from jaxmem.budget.scans import auto_choice, choose_for
 from jaxmem.liveness import liveness
 from jaxmem.losses import logits_notes
 from jaxmem.measure import Figures, fmt_bytes
@@ -42,7 +42,7 @@ from jaxmem.plan import Decision, Plan
 from jaxmem.policies import utility
 from jaxmem.program import Program, backward_in_units, check_leaves, from_jaxpr, trace
 from jaxmem.rewrite import apply
-from jaxmem.scans import TrainBodies, loop_plan
+from jaxmem.scans import TrainBodies, bodies_only, loop_plan
 from jaxmem.shard_map import BodyPlanner, plan_bodies
 from jaxmem.tags import offload_tagged, offload_tags_out_of_reach
 
@@ -312,8 +312,12 @@ class Optimized:
         body = None  # a budget picks the scan bodies' policy too (jaxmem.budget.scans)
         if self.budget is not None and self.remat_scans is True and self.strategy != "none":
             body = choose_for(self, fn, dyn_args, kwargs)
-        program = structure.label(
-            self._trace(fn, dyn_args, kwargs, None if body is None else body.policy))
+        lean = None  # no budget: a leaner body policy within the FLOP cap, compile-checked
+        if self.budget is None and self.remat_scans is True and self.strategy != "none" \
+                and self.verify:
+            lean = auto_choice(self, fn, dyn_args, kwargs)
+        program = structure.label(self._trace(
+            fn, dyn_args, kwargs, body.policy if body else lean[0] if lean else None))
         analysis = from_program(program)
         flat = jax.tree_util.tree_leaves((dyn_args, kwargs))
         platform = targets.platform_of(flat) or jax.default_backend()
@@ -339,6 +343,7 @@ class Optimized:
         else:
             plan, compiled, stream_state = self._make_plan(analysis, jit_plan, plain, dyn_args,
                                                            kwargs, donated, platform, body)
+            plan = dataclasses.replace(plan, notes=plan.notes + (lean[1] if lean else ()))
             if key:
                 plan_cache.store(key, plan)
         # A budget the plain step already fits drops nothing: run the plain step itself (its
@@ -529,6 +534,8 @@ class Optimized:
         variants = [dataclasses.replace(p, donated=plan.donated) for p in
                     strategies.auto_candidates(
                         analysis, max_recompute_fraction=self.max_recompute_fraction)]
+        if self.remat_scans:  # scanned layers: their body policy alone is a candidate too
+            variants += bodies_only(analysis, plan.donated)
         variants = variants or [plan]
         jitted_all = [plain] + [jit_plan(p) for p in variants]
         # Lowering holds the GIL, XLA's compile does not: compile the candidates side by side.
@@ -795,9 +802,11 @@ def optimize(fn: Callable[..., Any] | None = None, *, budget: Any = None,
         ``jax.jit``, at two or three extra compiles on the first call.
       remat_scans: run the bodies of ``lax.scan`` (``nn.scan``/``nnx.scan`` stacks) under
         ``jax.checkpoint(policy=jaxmem.policies.utility)`` while tracing, so layers inside a
-        scan save only their heavy outputs too (the joint rewrite keeps a scan whole). With
-        a ``budget``, the body's policy is planned too: per value in the layer (MaxText's
-        tagged names, or each matmul) keep, recompute or offload, the fewest FLOPs that fit
+        scan save only their heavy outputs too (the joint rewrite keeps a scan whole);
+        without a budget a leaner body policy within the FLOP cap is compiled beside it and
+        kept when lower (:func:`jaxmem.budget.scans.auto_choice`). With a ``budget``, the
+        body's policy is planned too: per value in the layer (MaxText's tagged names, or
+        each matmul) keep, recompute or offload, the fewest FLOPs that fit
         (:mod:`jaxmem.budget.scans`). A ``jax.checkpoint`` policy here is used as given.
       offload_state: keep the optimizer state (adam's moments) in ``pinned_host`` memory
         between steps and stream it through the update one layer at a time

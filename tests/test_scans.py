@@ -22,7 +22,14 @@ from benchmarks.zoo.maxtext_presets import NAMES
 from jaxmem import _jax, measure
 from jaxmem.budget.scans import choose_for
 from jaxmem.program import trace
-from jaxmem.scans import MAXTEXT, BodyPolicy, body_values, candidates, preset_policy
+from jaxmem.scans import (
+    MAXTEXT,
+    BodyPolicy,
+    BodyValue,
+    body_values,
+    candidates,
+    preset_policy,
+)
 from tests._fast_compile import fast_compile
 
 _compile = fast_compile
@@ -64,6 +71,19 @@ def test_candidates_span_maxtext_presets_and_finer_mixes():
     assert {"everything", "utility", "full", "ladder-3", "ladder-3+offload"} <= set(names)
     assert "maxtext:minimal_offloaded" not in [
         p.name for p in candidates(body_values(trace(w.step, w.state, w.batch)))]
+
+
+def test_mixes_find_what_the_greedy_ladder_misses():
+    """One large value (10 bytes, 100 FLOPs) against two smaller ones (6 bytes, 55 FLOPs each):
+    the ladder (greedy by FLOPs per byte) keeps the large one first; at 12 bytes the two small
+    ones keep more FLOPs, and a mix says so."""
+    vals = [BodyValue(("name", "a"), "a", 10, 100.0), BodyValue(("name", "b"), "b", 6, 55.0),
+            BodyValue(("name", "c"), "c", 6, 55.0)]
+    pols = candidates(vals)
+    ladder = {frozenset(p.save) for p in pols if p.name.startswith("ladder")}
+    assert frozenset({("name", "b"), ("name", "c")}) not in ladder
+    assert any(p.name.startswith("mix-") and set(p.save) == {("name", "b"), ("name", "c")}
+               for p in pols)
 
 
 def _grads_under(w, policies):
@@ -149,6 +169,24 @@ def test_budget_is_met_inside_a_scan_with_the_fewest_flops():
     assert plan.compiled.peak <= 0.6 * plain
     assert any(n.startswith("scan bodies: policy") for n in plan.notes)
     (new, loss), (ref, loss_ref) = opt(*args), jax.jit(_mlp_stack_step)(*args)
+    np.testing.assert_allclose(loss, loss_ref, rtol=1e-6)
+    _assert_close(new, ref, "params", 1e-6)
+
+
+def test_auto_mode_compiles_a_leaner_body_within_the_flop_cap():
+    """No budget: a body policy that keeps fewer bytes than MEDL's rule, within the FLOP cap,
+    is compiled beside it (nothing dropped outside the scan) and kept when its peak is lower;
+    the body policy alone is one of the verified candidates. Same results as jax.jit."""
+    args = _mlp_args()
+    lean = jaxmem.optimize(_mlp_stack_step, donate_argnums=(), max_recompute_fraction=0.5)
+    medl = jaxmem.optimize(_mlp_stack_step, donate_argnums=(), max_recompute_fraction=0.5,
+                           remat_scans=jaxmem.policies.utility)
+    plan, ref_plan = lean.plan(*args), medl.plan(*args)
+    assert any(n.startswith("scan bodies: policy") for n in plan.notes), plan.notes
+    assert plan.compiled.peak < ref_plan.compiled.peak
+    assert plan.compiled.flops <= 1.5 * plan.baseline.flops
+    assert any("scan bodies only" in n for n in ref_plan.notes), ref_plan.notes
+    (new, loss), (ref, loss_ref) = lean(*args), jax.jit(_mlp_stack_step)(*args)
     np.testing.assert_allclose(loss, loss_ref, rtol=1e-6)
     _assert_close(new, ref, "params", 1e-6)
 

@@ -30,7 +30,7 @@ from jaxmem.measure import Figures, fmt_bytes
 from jaxmem.program import Program
 from jaxmem.scans import BodyPolicy, BodyValue, body_values, candidates
 
-__all__ = ["BodyCandidate", "BodyChoice", "choose", "choose_for", "estimate"]
+__all__ = ["BodyCandidate", "BodyChoice", "auto_choice", "choose", "choose_for", "estimate"]
 
 @dataclasses.dataclass(frozen=True)
 class BodyCandidate:
@@ -188,3 +188,75 @@ def choose_for(opt: Any, fn: Callable[..., Any], dyn_args: tuple[Any, ...],
     first = _dominated(cands)[0].policy
     budget = resolve_budget(opt.budget, _figures(entry(first).plain, flat).peak)
     return choose(cands, compiled, budget)
+
+
+def _kinds(flat: Sequence[Any]) -> tuple[str, ...]:
+    """The device kinds the arguments are placed on (part of a cache key)."""
+    return tuple(sorted({str(getattr(d, "device_kind", d)) for x in flat
+                         for d in getattr(getattr(x, "sharding", None), "device_set", ())}))
+
+
+def _lean(cands: Sequence[BodyCandidate], cap: float) -> BodyCandidate | None:
+    """The candidate that keeps the fewest bytes with its FLOPs within ``cap`` (no offload)."""
+    inside = [c for c in cands if c.flops <= cap and not c.policy.offload]
+    return min(inside, key=lambda c: (c.kept_bytes, c.flops)) if inside else None
+
+
+def auto_choice(opt: Any, fn: Callable[..., Any], dyn_args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> tuple[BodyPolicy, tuple[str, ...]] | None:
+    """The scan-body policy for ``optimize``'s automatic mode (no budget), and its notes.
+
+    MEDL's rule (:func:`jaxmem.policies.utility`, the default) keeps every matmul output of
+    a scanned layer. Among the candidates of :func:`jaxmem.scans.candidates` (MaxText's
+    presets, the ladder), the one that keeps the fewest bytes with the step's FLOPs within
+    ``max_recompute_fraction`` of the step with nothing recomputed in the body is compiled
+    beside MEDL's rule (each with nothing dropped outside the scan, on the arguments'
+    target), and the lower peak is kept. Two compiles, only when such a candidate keeps
+    fewer bytes than MEDL's rule; ``None`` keeps MEDL's rule. The choice is cached with
+    the plans (:mod:`jaxmem.plan_cache`), so a cache hit compiles nothing here.
+    """
+    from jaxmem import _jax, plan_cache
+    from jaxmem.plan import Plan
+    from jaxmem.program import trace
+
+    base = trace(fn, *dyn_args, **kwargs)
+    values: list[BodyValue] = body_values(base)
+    if not values:
+        return None
+    flat = jax.tree_util.tree_leaves((dyn_args, kwargs))
+    platform = targets.platform_of(flat) or jax.default_backend()
+    key = plan_cache.fingerprint(base.jaxpr, (platform, _kinds(flat)),
+                                 ("auto scan body", opt.max_recompute_fraction,
+                                  opt.donate_argnums))
+    by_name = {p.name: p for p in candidates(values)}
+    cached = plan_cache.load(key)
+    if cached is not None:
+        return (None if cached.strategy == "utility"
+                else (by_name[cached.strategy], cached.notes))
+
+    def traced(policy: BodyPolicy) -> Program:
+        with _jax.checkpointed_scan_bodies(policy):
+            return trace(fn, *dyn_args, **kwargs)
+
+    cands = [estimate(p, traced(p)) for p in by_name.values()]
+    full = {c.policy.name: c for c in cands}
+    util, lean = full["utility"], _lean(cands, full["everything"].flops
+                                        * (1 + opt.max_recompute_fraction))
+    chosen, notes = util, ()
+    if lean is not None and lean.kept_bytes < util.kept_bytes:
+        peaks = {}
+        for c in (util, lean):
+            sub = type(opt)(fn, strategy=opt.strategy, donate_argnums=opt.donate_argnums,
+                            max_recompute_fraction=0.0, verify=False, remat_scans=c.policy,
+                            **opt.jit_kwargs)
+            peaks[c.policy.name] = _figures(sub._prepare(dyn_args, kwargs)[0].jitted,  # noqa: SLF001
+                                            flat).peak
+        if peaks[lean.policy.name] < peaks["utility"]:
+            chosen = lean
+        notes = (f"scan bodies: policy {chosen.policy.name!r} (compiled beside MEDL's rule: "
+                 f"{lean.policy.name} {fmt_bytes(peaks[lean.policy.name])}, utility "
+                 f"{fmt_bytes(peaks['utility'])}; {len(cands)} candidates traced, the fewest "
+                 f"bytes kept within {opt.max_recompute_fraction:.0%} more FLOPs)",)
+    plan_cache.store(key, Plan(choices=(), strategy=chosen.policy.name, recompute_flops=0.0,
+                               baseline_flops=0.0, notes=notes))
+    return None if chosen is util else (chosen.policy, notes)
