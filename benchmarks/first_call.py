@@ -4,7 +4,9 @@ Each measurement runs in a fresh Python process (no JAX trace or compile cache c
 over; JAX's persistent compilation cache off), timing the first call of the step from
 decoration to the result being ready: trace, plan, compile and run. ``cold``: an empty plan
 cache directory; ``warm``: the directory the cold run filled (a restart, or another host
-sharing it).
+sharing it). Wall seconds and CPU seconds (user + system of the process, every thread
+summed) are both recorded: on a shared machine the wall time of one run swings with the
+load, its CPU time much less.
 
 Run:  python -m benchmarks.first_call [--model transformer] [--size bench] [--repeat 1]
 Writes benchmarks/results/first_call.json and .md.
@@ -25,12 +27,16 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
 _CHILD = r"""
-import json, sys, time
+import json, resource, sys, time
 import jax
 from benchmarks import zoo
 mode, model, size = sys.argv[1:4]
 w = zoo.make(model, size=size)
-t0 = time.perf_counter()
+jax.block_until_ready((w.state, w.batch))
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+t0, c0 = time.perf_counter(), cpu()
 if mode == "plain":
     step = jax.jit(w.step, donate_argnums=0)
 else:
@@ -38,18 +44,18 @@ else:
     step = jaxmem.optimize(w.step)
 out = step(w.state, w.batch)
 jax.block_until_ready(out)
-t1 = time.perf_counter()
-print(json.dumps({"seconds": t1 - t0}))
+t1, c1 = time.perf_counter(), cpu()
+print(json.dumps({"seconds": t1 - t0, "cpu_seconds": c1 - c0}))
 """
 
 
-def _run(mode: str, model: str, size: str, cache_dir: str) -> float:
+def _run(mode: str, model: str, size: str, cache_dir: str) -> dict[str, float]:
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
                JAXMEM_PLAN_CACHE_DIR=cache_dir, PYTHONPATH=str(ROOT))
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     r = subprocess.run([sys.executable, "-c", _CHILD, mode, model, size], cwd=ROOT, env=env,
                        capture_output=True, text=True, check=True)
-    return json.loads(r.stdout.strip().splitlines()[-1])["seconds"]
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -58,24 +64,27 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--size", default="bench")
     ap.add_argument("--repeat", type=int, default=1, help="runs of each; the median is kept")
     args = ap.parse_args(argv)
-    times: dict[str, list[float]] = {"plain": [], "cold": [], "warm": []}
+    runs: dict[str, list[dict[str, float]]] = {"plain": [], "cold": [], "warm": []}
     for _ in range(args.repeat):
         with tempfile.TemporaryDirectory() as d:
-            times["plain"].append(_run("plain", args.model, args.size, d))
-            times["cold"].append(_run("jaxmem", args.model, args.size, d))
-            times["warm"].append(_run("jaxmem", args.model, args.size, d))
-    med = {k: statistics.median(v) for k, v in times.items()}
+            runs["plain"].append(_run("plain", args.model, args.size, d))
+            runs["cold"].append(_run("jaxmem", args.model, args.size, d))
+            runs["warm"].append(_run("jaxmem", args.model, args.size, d))
+    med = {k: statistics.median(r["seconds"] for r in v) for k, v in runs.items()}
+    cpu = {k: statistics.median(r["cpu_seconds"] for r in v) for k, v in runs.items()}
     result = {"model": args.model, "size": args.size, "repeat": args.repeat, "seconds": med,
-              "cold_over_plain": med["cold"] / med["plain"],
-              "warm_over_plain": med["warm"] / med["plain"], "runs": times}
+              "cpu_seconds": cpu, "cold_over_plain": med["cold"] / med["plain"],
+              "warm_over_plain": med["warm"] / med["plain"],
+              "cold_cpu_over_plain": cpu["cold"] / cpu["plain"],
+              "warm_cpu_over_plain": cpu["warm"] / cpu["plain"], "runs": runs}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "first_call.json").write_text(json.dumps(result, indent=2) + "\n")
-    md = ("| first call | seconds | / plain jit |\n|---|---:|---:|\n"
-          f"| `jax.jit` | {med['plain']:.2f} | 1.00 |\n"
-          f"| `jaxmem.optimize`, cold plan cache | {med['cold']:.2f} | "
-          f"{result['cold_over_plain']:.2f} |\n"
-          f"| `jaxmem.optimize`, warm plan cache | {med['warm']:.2f} | "
-          f"{result['warm_over_plain']:.2f} |\n")
+    rows = [("`jax.jit`", "plain"), ("`jaxmem.optimize`, cold plan cache", "cold"),
+            ("`jaxmem.optimize`, warm plan cache", "warm")]
+    md = ("| first call | seconds | / plain jit | CPU seconds | / plain jit |\n"
+          "|---|---:|---:|---:|---:|\n" + "".join(
+              f"| {name} | {med[k]:.2f} | {med[k] / med['plain']:.2f} | {cpu[k]:.2f} | "
+              f"{cpu[k] / cpu['plain']:.2f} |\n" for name, k in rows))
     (RESULTS / "first_call.md").write_text(
         f"{args.model} ({args.size}), median of {args.repeat} run(s), each in a fresh "
         f"process: `python -m benchmarks.first_call --model {args.model} --size {args.size} "

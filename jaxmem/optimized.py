@@ -25,6 +25,7 @@ from jaxmem import (
     arguments,
     measure,
     plan_cache,
+    quick_compile,
     state_offload,
     strategies,
     structure,
@@ -538,16 +539,22 @@ class Optimized:
             variants += bodies_only(analysis, plan.donated)
         variants = variants or [plan]
         jitted_all = [plain] + [jit_plan(p) for p in variants]
-        # Lowering holds the GIL, XLA's compile does not: compile the candidates side by side.
-        exes = plan_cache.compile_all([j.lower(*flat) for j in jitted_all])
-        base_exe = exes[0]
-        base = _read(base_exe, plain, flat)
-        best, best_fig, best_exe = None, None, None
-        for p, jitted, exe in zip(variants, jitted_all[1:], exes[1:], strict=True):
+        # Side by side in threads, for their figures only (quick_compile): the winner alone
+        # is compiled in full to run.
+        lowered, exes = quick_compile.compile_all(
+            [functools.partial(j.lower, *flat) for j in jitted_all])
+        base = _read(exes[0], plain, flat)
+        best, best_fig, best_i = None, None, 0
+        for i, (p, jitted, exe) in enumerate(zip(variants, jitted_all[1:], exes[1:],
+                                                 strict=True), 1):
             fig = _read(exe, jitted, flat)
             if best_fig is None or (fig.peak, fig.flops) < (best_fig.peak, best_fig.flops):
-                best, best_fig, best_exe = p, fig, exe
+                best, best_fig, best_i = p, fig, i
         if best_fig.peak < base.peak:
+            best_exe = quick_compile.finish(lowered[best_i], exes[best_i])
+            if best_exe is not exes[best_i]:  # figures of what runs: the same, or warned
+                best_fig = quick_compile.checked(best_fig, _read(best_exe, jitted_all[best_i],
+                                                                 flat))
             if best.strategy != "auto":
                 best = dataclasses.replace(best, strategy=f"auto: {best.strategy}")
             tried = ", ".join(p.strategy for p in variants)
@@ -561,7 +568,7 @@ class Optimized:
                 "(pass verify=False to force the plan, or try a budget)")
         warnings.warn(f"jaxmem.optimize: {note}", stacklevel=5)
         return dataclasses.replace(none, notes=plan.notes + (note,), compiled=base,
-                                   baseline=base), base_exe
+                                   baseline=base), quick_compile.finish(lowered[0], exes[0])
 
     def _verified_offload(self, plan: Plan, analysis: Analysis,
                           jit_plan: Callable[[Plan], Any], plain: Any, flat: Sequence[Any],
