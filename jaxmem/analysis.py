@@ -311,7 +311,8 @@ def _is_scalar_float(x: Any) -> bool:
 
 
 def analyze(fn: Callable[..., Any], *args: Any, argnums: int | Sequence[int] | None = None,
-            has_aux: bool = False, **kwargs: Any) -> Analysis:
+            has_aux: bool = False, donate_argnums: int | Sequence[int] = (),
+            target: Any = None, **kwargs: Any) -> Analysis:
     """Analyse which forward values ``fn``'s backward pass keeps, and predict its peak.
 
     Args:
@@ -355,7 +356,32 @@ def analyze(fn: Callable[..., Any], *args: Any, argnums: int | Sequence[int] | N
                 mode = "forward"
                 notes.append("the program has no backward pass (no transposed equations): "
                              "there is nothing to recompute or offload")
-    return _analysis(program, mode, tuple(notes))
+    donated = _flat_donated(args, donate_argnums)
+    return _analysis(program, mode, tuple(notes), donated, _platform(target, args, kwargs))
+
+
+def _flat_donated(args: Sequence[Any], donate_argnums: int | Sequence[int]) -> tuple[int, ...]:
+    """Positions among the flat inputs of the leaves of the donated positional arguments."""
+    nums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+    nums = {a % len(args) for a in nums if -len(args) <= a < len(args)}
+    out, k = [], 0
+    for i, a in enumerate(args):
+        n = len(jax.tree_util.tree_leaves(a))
+        if i in nums:
+            out.extend(range(k, k + n))
+        k += n
+    return tuple(out)
+
+
+def _platform(target: Any, args: Any, kwargs: Any) -> str:
+    """The compiler the prediction is for: ``target`` (a name or :class:`~jaxmem.targets.Target`)
+    or where the arguments live (the default backend when they do not say)."""
+    from jaxmem import targets
+
+    if target is None:
+        found = targets.platform_of((args, kwargs)) or jax.default_backend()
+        return "cuda" if found in ("gpu", "cuda") else found
+    return target.platform if isinstance(target, targets.Target) else targets.get(target).platform
 
 
 def _trace_loss(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
@@ -379,9 +405,10 @@ def _trace_loss(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, A
     return trace(vg, *args, **kwargs)
 
 
-def _analysis(program: Program, mode: Any, notes: tuple[str, ...]) -> Analysis:
+def _analysis(program: Program, mode: Any, notes: tuple[str, ...],
+              donated: Sequence[int] = (), platform: str = "cpu") -> Analysis:
     residuals = find_residuals(program)
-    peak, live, out_bytes = liveness(program)
+    peak, live, out_bytes = liveness(program, donated=donated, platform=platform)
     arg_bytes = sum(program.values[i].nbytes for i in program.inputs)
     if program.unknown_primitives:
         notes = notes + (f"{len(program.unknown_primitives)} unknown primitive(s) treated as "
@@ -391,7 +418,10 @@ def _analysis(program: Program, mode: Any, notes: tuple[str, ...]) -> Analysis:
                     mode=mode, notes=notes)
 
 
-def from_program(program: Program) -> Analysis:
-    """Analyse an already traced :class:`Program`."""
+def from_program(program: Program, *, donated: Sequence[int] = (),
+                 platform: str = "cpu") -> Analysis:
+    """Analyse an already traced :class:`Program`. ``donated``: positions among its flat
+    inputs that are donated; ``platform``: the compiler the peak is predicted for
+    (``"cpu"``, ``"cuda"``, ``"tpu"``)."""
     mode = "step" if program.has_backward else "forward"
-    return _analysis(program, mode, ())
+    return _analysis(program, mode, (), donated, platform)

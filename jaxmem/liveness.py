@@ -15,10 +15,11 @@ import jax
 import numpy as np
 
 from jaxmem import _jax
+from jaxmem.fusion import is_expensive
 from jaxmem.primitives import CHEAP, Kind
 from jaxmem.program import Node, Program, from_jaxpr
 
-__all__ = ["last_uses", "liveness", "materialised"]
+__all__ = ["aliased_outputs", "last_uses", "liveness", "materialised"]
 
 _REDUCTIONS = ("reduce_", "argm", "cum", "reduce_window", "select_and")
 
@@ -27,16 +28,7 @@ def _is_reduction(name: str) -> bool:
     return name.startswith(_REDUCTIONS)
 
 
-# XLA's fusion duplicates cheap elementwise producers into every consumer, backward ones
-# included, but refuses to duplicate "expensive" ones (InstructionFusion::IsExpensive).
-_EXPENSIVE = frozenset({
-    "div", "rem", "sqrt", "rsqrt", "cbrt", "exp", "exp2", "expm1", "log", "log1p", "pow",
-    "tanh", "logistic", "erf", "erfc", "erf_inv", "atan2", "sin", "cos", "tan", "lgamma",
-    "digamma", "random_bits", "threefry2x32",
-})
-
-
-def materialised(program: Program) -> list[bool]:
+def materialised(program: Program, platform: str = "cpu") -> list[bool]:
     """Per value: whether XLA is expected to give it a buffer of its own (fusion model).
 
     Non-fusible outputs (matmuls, convolutions, units), reductions and program outputs get a
@@ -66,7 +58,8 @@ def materialised(program: Program) -> list[bool]:
                 str(values[u].memory_space) != str(v.memory_space) for u in node.inputs):
             mat[v.id] = True  # a copy to (or from) host memory is a buffer of its own
             continue
-        avail = node.primitive not in _EXPENSIVE and all(mat[a] or dup[a] for a in node.inputs)
+        avail = (not is_expensive(node.primitive, v.dtype, platform)
+                 and all(mat[a] or dup[a] for a in node.inputs))
         for i in rd:
             u = program.nodes[i]
             if (u.kind not in CHEAP or _is_reduction(u.primitive)
@@ -95,7 +88,27 @@ def last_uses(program: Program, mat: Sequence[bool]) -> dict[int, int]:
     return last
 
 
-def _unit_transient(node: Node) -> int:
+def aliased_outputs(program: Program, donated: Iterable[int]) -> frozenset[int]:
+    """Output value ids that XLA writes into a donated input's buffer.
+
+    ``donated``: positions among the program's flat inputs. As JAX does, each output takes
+    the first unused donated input of its shape and dtype, in order.
+    """
+    free: dict[tuple, list[int]] = {}
+    for k in sorted(set(donated)):
+        v = program.values[program.inputs[k]]
+        free.setdefault((v.shape, str(v.dtype)), []).append(k)
+    out: set[int] = set()
+    for o in dict.fromkeys(program.outputs):
+        v = program.values[o]
+        slot = free.get((v.shape, str(v.dtype)))
+        if slot and v.nbytes:
+            slot.pop(0)
+            out.add(o)
+    return frozenset(out)
+
+
+def _unit_transient(node: Node, platform: str = "cpu") -> int:
     """Working set inside a control-flow unit beyond its inputs and outputs."""
     best = 0
     for j in _jax.sub_jaxprs(node.eqn):
@@ -104,14 +117,14 @@ def _unit_transient(node: Node) -> int:
             sub = from_jaxpr(closed)
         except Exception:  # noqa: BLE001 - an estimate; never fail the analysis on it
             continue
-        _, live, _ = liveness(sub, count_inputs=False)
+        _, live, _ = liveness(sub, count_inputs=False, platform=platform)
         best = max(best, max(live, default=0))
     return best
 
 
 def liveness(program: Program, *, count_inputs: bool = True,
-             donated: Iterable[int] = (), device_only: bool = False
-             ) -> tuple[int, tuple[int, ...], int]:
+             donated: Iterable[int] = (), device_only: bool = False,
+             platform: str = "cpu") -> tuple[int, tuple[int, ...], int]:
     """Predicted ``(peak, live bytes after each node, output bytes)``.
 
     The peak is comparable with XLA's ``argument + output + temp - alias``: inputs are live
@@ -120,7 +133,7 @@ def liveness(program: Program, *, count_inputs: bool = True,
     ``device_only``: values placed in host memory keep their lifetimes but are not counted.
     """
     nodes, values = program.nodes, program.values
-    mat = materialised(program)
+    mat = materialised(program, platform)
     end = len(nodes)
     last = last_uses(program, mat)
     arg_bytes = sum(values[i].nbytes for i in program.inputs) if count_inputs else 0
@@ -128,11 +141,13 @@ def liveness(program: Program, *, count_inputs: bool = True,
     out_bytes = sum(values[v].nbytes for v in dict.fromkeys(program.outputs))
     passthrough = sum(values[v].nbytes for v in dict.fromkeys(program.outputs)
                       if values[v].producer is None)
-    donated_in = [values[program.inputs[i]] for i in donated]
-    alias = min(sum(v.nbytes for v in donated_in), out_bytes)
+    aliased = aliased_outputs(program, donated)
+    # An output that aliases a donated input is written into that input's buffer: it costs
+    # nothing beyond the arguments (XLA's ``alias``); a returned input needs no copy then.
+    passthrough -= sum(values[v].nbytes for v in aliased if values[v].producer is None)
     delta = np.zeros(end + 2, dtype=np.int64)
     for v in values:
-        if v.producer is None or not mat[v.id]:
+        if v.producer is None or not mat[v.id] or v.id in aliased:
             continue
         if device_only and "Host" in str(v.memory_space):
             continue
@@ -142,8 +157,8 @@ def liveness(program: Program, *, count_inputs: bool = True,
     transient = np.zeros(end, dtype=np.int64)
     for n in nodes:
         if n.kind in (Kind.CONTROL, Kind.HEAVY) and _jax.sub_jaxprs(n.eqn):
-            transient[n.index] = _unit_transient(n)
-    base = arg_bytes + passthrough - alias
+            transient[n.index] = _unit_transient(n, platform)
+    base = arg_bytes + passthrough
     series = live + transient + base
     peak = int(series.max()) if end else base
     return peak, tuple(int(x) for x in series), out_bytes
