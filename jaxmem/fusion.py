@@ -8,8 +8,10 @@ on the backend:
 
 - **XLA:CPU** (and the default): floating-point divide, square roots, exponentials,
   logarithms, ``tanh``, ``logistic``, ``erf``, powers and the trigonometric functions.
-- **XLA:GPU** (``GpuInstructionFusion::IsExpensive``): the same, except that divide, sqrt,
-  rsqrt and exp on f32 or f16 values are cheap on the GPU and fused like an add.
+- **XLA:GPU**: its priority fusion decides with a cost model, not that list, and duplicates
+  any elementwise producer whose operands are in memory into every consumer (re-computing a
+  ``tanh`` or an ``exp`` is cheaper there than writing and re-reading its result); only
+  random-bit generation is never duplicated.
 
 The rules are the compilers' own, not a fit to measured peaks.
 """
@@ -25,9 +27,8 @@ _EXPENSIVE = frozenset({
     "digamma", "random_bits", "threefry2x32",
 })
 
-#: XLA:GPU's exceptions: cheap on the GPU for f32 and f16 elements.
-_GPU_CHEAP = frozenset({"div", "sqrt", "rsqrt", "exp"})
-_GPU_CHEAP_DTYPES = frozenset({"float32", "float16"})
+#: What XLA:GPU never duplicates.
+_GPU_EXPENSIVE = frozenset({"random_bits", "threefry2x32"})
 
 #: The platforms with a rule set of their own; others use the default (CPU) rules.
 PLATFORMS = ("cpu", "cuda", "tpu")
@@ -44,6 +45,6 @@ def is_expensive(primitive: str, dtype: str, platform: str = "cpu") -> bool:
     elements) into its consumers."""
     if primitive not in _EXPENSIVE:
         return False
-    if normalise_platform(platform) == "cuda" and primitive in _GPU_CHEAP:
-        return dtype not in _GPU_CHEAP_DTYPES
+    if normalise_platform(platform) == "cuda":
+        return primitive in _GPU_EXPENSIVE
     return True

@@ -18,6 +18,7 @@ from jaxmem import _jax
 from jaxmem.fusion import is_expensive
 from jaxmem.primitives import CHEAP, Kind
 from jaxmem.program import Node, Program, from_jaxpr
+from jaxmem.schedule import schedule
 
 __all__ = ["aliased_outputs", "last_uses", "liveness", "materialised"]
 
@@ -135,7 +136,6 @@ def liveness(program: Program, *, count_inputs: bool = True,
     nodes, values = program.nodes, program.values
     mat = materialised(program, platform)
     end = len(nodes)
-    last = last_uses(program, mat)
     arg_bytes = sum(values[i].nbytes for i in program.inputs) if count_inputs else 0
     # Outputs that are inputs or constants get an output buffer of their own (a copy).
     out_bytes = sum(values[v].nbytes for v in dict.fromkeys(program.outputs))
@@ -145,20 +145,26 @@ def liveness(program: Program, *, count_inputs: bool = True,
     # An output that aliases a donated input is written into that input's buffer: it costs
     # nothing beyond the arguments (XLA's ``alias``); a returned input needs no copy then.
     passthrough -= sum(values[v].nbytes for v in aliased if values[v].producer is None)
-    delta = np.zeros(end + 2, dtype=np.int64)
+    order = schedule(program, mat, aliased)
+    last = order.last_use(program)
+    steps = len(order.order)
+    delta = np.zeros(steps + 2, dtype=np.int64)
     for v in values:
         if v.producer is None or not mat[v.id] or v.id in aliased:
             continue
         if device_only and "Host" in str(v.memory_space):
             continue
-        delta[v.producer] += v.nbytes
-        delta[last.get(v.id, v.producer) + 1] -= v.nbytes
-    live = np.cumsum(delta)[:end]
-    transient = np.zeros(end, dtype=np.int64)
+        start = order.position[v.producer]
+        delta[min(start, steps)] += v.nbytes
+        delta[max(last.get(v.id, start), start) + 1] -= v.nbytes
+    live = np.cumsum(delta)[:max(steps, 1)]
     for n in nodes:
         if n.kind in (Kind.CONTROL, Kind.HEAVY) and _jax.sub_jaxprs(n.eqn):
-            transient[n.index] = _unit_transient(n, platform)
+            at = min(order.position[n.index], len(live) - 1)
+            live[at] += _unit_transient(n, platform)
     base = arg_bytes + passthrough
-    series = live + transient + base
-    peak = int(series.max()) if end else base
+    # per node, in program order: the live bytes at its place in the run order
+    series = np.asarray([live[min(order.position[n.index], len(live) - 1)] for n in nodes],
+                        dtype=np.int64) + base
+    peak = int(live.max()) + base if end else base
     return peak, tuple(int(x) for x in series), out_bytes
