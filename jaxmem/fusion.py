@@ -10,15 +10,21 @@ on the backend:
   logarithms, ``tanh``, ``logistic``, ``erf``, powers and the trigonometric functions.
 - **XLA:GPU**: its priority fusion decides with a cost model, not that list, and duplicates
   any elementwise producer whose operands are in memory into every consumer (re-computing a
-  ``tanh`` or an ``exp`` is cheaper there than writing and re-reading its result); only
-  random-bit generation is never duplicated.
+  ``tanh`` or an ``exp`` is cheaper there than writing and re-reading its result). Random
+  bits included: XLA:GPU expands ``RngBitGenerator`` into elementwise hashing, so a dropout
+  mask is re-generated from its key in the backward pass rather than stored.
+
+Some primitives that jaxmem counts as cheap are no elementwise op to XLA:CPU (and TPU) and
+never fuse into their readers: ``random_bits`` on an ``rbg`` key is ``RngBitGenerator``,
+whose bits are a buffer of their own (a dropout mask is then stored as those 32-bit words,
+and the comparison that makes the mask is fused into each reader).
 
 The rules are the compilers' own, not a fit to measured peaks.
 """
 
 from __future__ import annotations
 
-__all__ = ["PLATFORMS", "is_expensive", "normalise_platform"]
+__all__ = ["PLATFORMS", "is_expensive", "makes_buffer", "normalise_platform"]
 
 #: Floating-point primitives XLA's base fusion pass will not duplicate.
 _EXPENSIVE = frozenset({
@@ -27,8 +33,6 @@ _EXPENSIVE = frozenset({
     "digamma", "random_bits", "threefry2x32",
 })
 
-#: What XLA:GPU never duplicates.
-_GPU_EXPENSIVE = frozenset({"random_bits", "threefry2x32"})
 
 #: The platforms with a rule set of their own; others use the default (CPU) rules.
 PLATFORMS = ("cpu", "cuda", "tpu")
@@ -43,8 +47,12 @@ def normalise_platform(platform: str | None) -> str:
 def is_expensive(primitive: str, dtype: str, platform: str = "cpu") -> bool:
     """Whether XLA on ``platform`` refuses to duplicate ``primitive`` (with ``dtype``
     elements) into its consumers."""
-    if primitive not in _EXPENSIVE:
-        return False
-    if normalise_platform(platform) == "cuda":
-        return primitive in _GPU_EXPENSIVE
-    return True
+    return primitive in _EXPENSIVE and normalise_platform(platform) != "cuda"
+
+
+def makes_buffer(primitive: str, input_dtypes: tuple[str, ...], platform: str = "cpu") -> bool:
+    """Whether an otherwise fusible primitive is an op of its own to XLA on ``platform`` (its
+    output always has a buffer): ``random_bits`` on an ``rbg``/``unsafe_rbg`` key
+    (``RngBitGenerator``), except on XLA:GPU, which expands it into elementwise code."""
+    return (primitive == "random_bits" and normalise_platform(platform) != "cuda"
+            and any("rbg" in d for d in input_dtypes))

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from jaxmem import _jax
-from jaxmem.fusion import is_expensive
+from jaxmem.fusion import is_expensive, makes_buffer
 from jaxmem.primitives import CHEAP, Kind
 from jaxmem.program import Node, Program, from_jaxpr
 from jaxmem.schedule import schedule
@@ -52,7 +52,9 @@ def materialised(program: Program, platform: str = "cpu") -> list[bool]:
         if not rd:
             mat[v.id] = v.id in out_set
             continue
-        if v.id in out_set or node.kind not in CHEAP or _is_reduction(node.primitive):
+        if (v.id in out_set or node.kind not in CHEAP or _is_reduction(node.primitive)
+                or makes_buffer(node.primitive, tuple(values[u].dtype for u in node.inputs),
+                                platform)):
             mat[v.id] = True
             continue
         if node.primitive == "device_put" and any(
