@@ -19,12 +19,17 @@ never fuse into their readers: ``random_bits`` on an ``rbg`` key is ``RngBitGene
 whose bits are a buffer of their own (a dropout mask is then stored as those 32-bit words,
 and the comparison that makes the mask is fused into each reader).
 
+XLA:CPU has no bf16/f16 matmul or convolution: it converts their half-precision operands to
+f32 and computes in f32. Common-subexpression elimination then shares one f32 copy of an
+operand between the forward matmul and the backward ones that read it, so the copy (twice
+the bf16 bytes) lives from the first matmul reading it to the last (:func:`upcast_bytes`).
+
 The rules are the compilers' own, not a fit to measured peaks.
 """
 
 from __future__ import annotations
 
-__all__ = ["PLATFORMS", "is_expensive", "makes_buffer", "normalise_platform"]
+__all__ = ["PLATFORMS", "is_expensive", "makes_buffer", "normalise_platform", "upcast_bytes"]
 
 #: Floating-point primitives XLA's base fusion pass will not duplicate.
 _EXPENSIVE = frozenset({
@@ -56,3 +61,18 @@ def makes_buffer(primitive: str, input_dtypes: tuple[str, ...], platform: str = 
     (``RngBitGenerator``), except on XLA:GPU, which expands it into elementwise code."""
     return (primitive == "random_bits" and normalise_platform(platform) != "cuda"
             and any("rbg" in d for d in input_dtypes))
+
+
+#: Primitives XLA:CPU computes in f32 whatever their operands' precision.
+_F32_ONLY_ON_CPU = frozenset({"dot_general", "conv_general_dilated"})
+_HALF = frozenset({"bfloat16", "float16"})
+
+
+def upcast_bytes(primitive: str, dtype: str, nbytes: int, platform: str = "cpu") -> int:
+    """Bytes of the f32 copy XLA on ``platform`` makes of an operand (``dtype``, ``nbytes``)
+    of ``primitive``: twice a half-precision operand of a matmul or convolution on XLA:CPU,
+    else 0."""
+    if (normalise_platform(platform) == "cpu" and primitive in _F32_ONLY_ON_CPU
+            and dtype in _HALF):
+        return 2 * nbytes
+    return 0

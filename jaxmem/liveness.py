@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from jaxmem import _jax
-from jaxmem.fusion import is_expensive, makes_buffer
+from jaxmem.fusion import is_expensive, makes_buffer, upcast_bytes
 from jaxmem.primitives import CHEAP, Kind
 from jaxmem.program import Node, Program, from_jaxpr
 from jaxmem.schedule import schedule
@@ -125,6 +125,27 @@ def _unit_transient(node: Node, platform: str = "cpu") -> int:
     return best
 
 
+def _upcasts(program: Program, position: dict[int, int], delta: np.ndarray,
+             platform: str) -> None:
+    """Add the f32 copies of half-precision matmul operands (:func:`jaxmem.fusion.upcast_bytes`),
+    each live from the first matmul reading it to the last."""
+    span: dict[int, list[int]] = {}
+    size: dict[int, int] = {}
+    for n in program.nodes:
+        for v in dict.fromkeys(n.inputs):
+            val = program.values[v]
+            extra = upcast_bytes(n.primitive, val.dtype, val.nbytes, platform)
+            if not extra:
+                continue
+            p = position[n.index]
+            s = span.setdefault(v, [p, p])
+            s[0], s[1] = min(s[0], p), max(s[1], p)
+            size[v] = extra
+    for v, (a, b) in span.items():
+        delta[a] += size[v]
+        delta[b + 1] -= size[v]
+
+
 def liveness(program: Program, *, count_inputs: bool = True,
              donated: Iterable[int] = (), device_only: bool = False,
              platform: str = "cpu") -> tuple[int, tuple[int, ...], int]:
@@ -159,6 +180,7 @@ def liveness(program: Program, *, count_inputs: bool = True,
         start = order.position[v.producer]
         delta[min(start, steps)] += v.nbytes
         delta[max(last.get(v.id, start), start) + 1] -= v.nbytes
+    _upcasts(program, order.position, delta, platform)
     live = np.cumsum(delta)[:max(steps, 1)]
     for n in nodes:
         if n.kind in (Kind.CONTROL, Kind.HEAVY) and _jax.sub_jaxprs(n.eqn):
