@@ -146,6 +146,41 @@ def _upcasts(program: Program, position: dict[int, int], delta: np.ndarray,
         delta[b + 1] -= size[v]
 
 
+_LAYOUT = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim"})
+
+
+def _scan_upcasts(node: Node, platform: str) -> int:
+    """f32 copies XLA makes of a scan's half-precision operands that feed matmuls inside
+    its body: the conversion does not depend on the iteration, so XLA hoists it out of the
+    loop and converts the whole stacked operand (:func:`jaxmem.fusion.upcast_bytes`)."""
+    if node.primitive != "scan" or not upcast_bytes("dot_general", "bfloat16", 1, platform):
+        return 0
+    body = node.eqn.params["jaxpr"].jaxpr
+    skip = range(node.eqn.params["num_consts"],
+                 node.eqn.params["num_consts"] + node.eqn.params["num_carry"])
+    total = 0
+    for k, (inner, outer) in enumerate(zip(body.invars, node.eqn.invars, strict=False)):
+        if k in skip:
+            continue
+        seen, frontier, hit = {inner}, [inner], None
+        while frontier and hit is None:
+            var = frontier.pop()
+            for e in body.eqns:
+                if not any(x is var for x in e.invars):
+                    continue
+                if e.primitive.name in ("dot_general", "conv_general_dilated"):
+                    hit = e.primitive.name
+                    break
+                if e.primitive.name in _LAYOUT:
+                    frontier.extend(o for o in e.outvars if o not in seen)
+                    seen.update(e.outvars)
+        if hit:
+            aval = outer.aval
+            nbytes = int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
+            total += upcast_bytes(hit, str(aval.dtype), nbytes, platform)
+    return total
+
+
 def liveness(program: Program, *, count_inputs: bool = True,
              donated: Iterable[int] = (), device_only: bool = False,
              platform: str = "cpu") -> tuple[int, tuple[int, ...], int]:
@@ -185,7 +220,7 @@ def liveness(program: Program, *, count_inputs: bool = True,
     for n in nodes:
         if n.kind in (Kind.CONTROL, Kind.HEAVY) and _jax.sub_jaxprs(n.eqn):
             at = min(order.position[n.index], len(live) - 1)
-            live[at] += _unit_transient(n, platform)
+            live[at] += _unit_transient(n, platform) + _scan_upcasts(n, platform)
     base = arg_bytes + passthrough
     # per node, in program order: the live bytes at its place in the run order
     series = np.asarray([live[min(order.position[n.index], len(live) - 1)] for n in nodes],
