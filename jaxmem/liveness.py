@@ -120,7 +120,11 @@ def _unit_transient(node: Node, platform: str = "cpu") -> int:
             sub = from_jaxpr(closed)
         except Exception:  # noqa: BLE001 - an estimate; never fail the analysis on it
             continue
-        _, live, _ = liveness(sub, count_inputs=False, platform=platform)
+        # a scan writes each iteration's stacked outputs (ys) into the stacked buffers, which
+        # are counted outside it; its new carry needs buffers of its own
+        ys = range(node.eqn.params["num_carry"], len(sub.outputs)) \
+            if node.primitive == "scan" and len(_jax.sub_jaxprs(node.eqn)) == 1 else ()
+        _, live, _ = liveness(sub, count_inputs=False, platform=platform, in_place=ys)
         best = max(best, max(live, default=0))
     return best
 
@@ -183,13 +187,17 @@ def _scan_upcasts(node: Node, platform: str) -> int:
 
 def liveness(program: Program, *, count_inputs: bool = True,
              donated: Iterable[int] = (), device_only: bool = False,
-             platform: str = "cpu") -> tuple[int, tuple[int, ...], int]:
+             platform: str = "cpu", in_place: Iterable[int] = ()
+             ) -> tuple[int, tuple[int, ...], int]:
     """Predicted ``(peak, live bytes after each node, output bytes)``.
 
     The peak is comparable with XLA's ``argument + output + temp - alias``: inputs are live
     throughout, outputs from their producer to the end, intermediates from producer to last
     reader. Outputs that alias a ``donated`` input index are not counted twice.
     ``device_only``: values placed in host memory keep their lifetimes but are not counted.
+    ``platform``: the compiler's fusion rules and conversions (:mod:`jaxmem.fusion`);
+    ``in_place``: positions among the outputs written into buffers counted elsewhere.
+    Nodes run in :func:`jaxmem.schedule.schedule`'s order.
     """
     nodes, values = program.nodes, program.values
     mat = materialised(program, platform)
@@ -200,6 +208,8 @@ def liveness(program: Program, *, count_inputs: bool = True,
     passthrough = sum(values[v].nbytes for v in dict.fromkeys(program.outputs)
                       if values[v].producer is None)
     aliased = aliased_outputs(program, donated)
+    if in_place:
+        aliased = aliased | {program.outputs[k] for k in in_place}
     # An output that aliases a donated input is written into that input's buffer: it costs
     # nothing beyond the arguments (XLA's ``alias``); a returned input needs no copy then.
     passthrough -= sum(values[v].nbytes for v in aliased if values[v].producer is None)
