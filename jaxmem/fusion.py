@@ -24,12 +24,20 @@ f32 and computes in f32. Common-subexpression elimination then shares one f32 co
 operand between the forward matmul and the backward ones that read it, so the copy (twice
 the bf16 bytes) lives from the first matmul reading it to the last (:func:`upcast_bytes`).
 
+XLA:CPU also expands max-pooling's gradient (``select_and_scatter_add``) into an argmax
+over the window: one s32 ``iota`` per dimension of the pooled operand, and a variadic
+reduce-window whose outputs are the window maximum and its position, one s32 index per
+dimension (:func:`expansion_bytes`).
+
 The rules are the compilers' own, not a fit to measured peaks.
 """
 
 from __future__ import annotations
 
-__all__ = ["PLATFORMS", "is_expensive", "makes_buffer", "normalise_platform", "upcast_bytes"]
+import math
+
+__all__ = ["PLATFORMS", "is_expensive", "makes_buffer", "normalise_platform", "upcast_bytes",
+           "expansion_bytes"]
 
 #: Floating-point primitives XLA's base fusion pass will not duplicate.
 _EXPENSIVE = frozenset({
@@ -76,3 +84,17 @@ def upcast_bytes(primitive: str, dtype: str, nbytes: int, platform: str = "cpu")
             and dtype in _HALF):
         return 2 * nbytes
     return 0
+
+
+def expansion_bytes(primitive: str, operand: tuple[int, ...], out: tuple[int, ...],
+                    platform: str = "cpu") -> int:
+    """Working set XLA on ``platform`` adds when it expands ``primitive`` (operand shape
+    ``operand``, result shape ``out``): XLA:CPU's ``select_and_scatter_add`` keeps an s32
+    iota of the operand per dimension and the window maximum with its s32 position per
+    dimension. 0 elsewhere."""
+    if normalise_platform(platform) != "cpu" or primitive != "select_and_scatter_add":
+        return 0
+    rank = len(operand)
+    n_in = int(math.prod(operand))
+    n_out = int(math.prod(out))  # the source (window) shape
+    return 4 * (rank * n_in + (rank + 1) * n_out)

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from jaxmem import _jax
-from jaxmem.fusion import is_expensive, makes_buffer, upcast_bytes
+from jaxmem.fusion import expansion_bytes, is_expensive, makes_buffer, upcast_bytes
 from jaxmem.primitives import CHEAP, Kind
 from jaxmem.program import Node, Program, from_jaxpr
 from jaxmem.schedule import schedule
@@ -228,9 +228,12 @@ def liveness(program: Program, *, count_inputs: bool = True,
     _upcasts(program, order.position, delta, platform)
     live = np.cumsum(delta)[:max(steps, 1)]
     for n in nodes:
+        at = min(order.position[n.index], len(live) - 1)
         if n.kind in (Kind.CONTROL, Kind.HEAVY) and _jax.sub_jaxprs(n.eqn):
-            at = min(order.position[n.index], len(live) - 1)
             live[at] += _unit_transient(n, platform) + _scan_upcasts(n, platform)
+        elif n.primitive == "select_and_scatter_add" and len(n.inputs) >= 2:
+            src, operand = (values[v].shape for v in n.inputs[:2])
+            live[at] += expansion_bytes(n.primitive, operand, src, platform)
     base = arg_bytes + passthrough
     # per node, in program order: the live bytes at its place in the run order
     series = np.asarray([live[min(order.position[n.index], len(live) - 1)] for n in nodes],
