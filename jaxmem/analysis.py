@@ -119,6 +119,7 @@ class Analysis:
     live_bytes: tuple[int, ...] = dataclasses.field(repr=False)
     mode: Literal["step", "loss", "forward"] = "step"
     notes: tuple[str, ...] = ()
+    platform: str = "cpu"
 
     @property
     def has_backward(self) -> bool:
@@ -321,6 +322,12 @@ def analyze(fn: Callable[..., Any], *args: Any, argnums: int | Sequence[int] | N
       *args, **kwargs: example arguments (arrays, or ``jax.ShapeDtypeStruct``).
       argnums: for a loss, the arguments to differentiate; forces loss mode.
       has_aux: for a loss returning ``(loss, aux)``; forces loss mode.
+      donate_argnums: positional arguments donated to the compiled step (as for
+        ``jax.jit``; a train step's state is ``0``): outputs written into them cost nothing.
+      target: the compiler the peak is predicted for: a :mod:`jaxmem.targets` name or
+        :class:`~jaxmem.targets.Target` (``"h100"``, ``"cpu"``, ...); by default where the
+        arguments live (:func:`jaxmem.targets.platform_of`), else the default backend.
+        XLA:GPU and XLA:CPU fuse, convert and schedule differently (:mod:`jaxmem.fusion`).
 
     Returns:
       An :class:`Analysis`. For a function with no backward pass that is not a scalar loss,
@@ -415,7 +422,7 @@ def _analysis(program: Program, mode: Any, notes: tuple[str, ...],
                          "heavy (outputs kept): " + ", ".join(program.unknown_primitives),)
     return Analysis(program=program, residuals=residuals, peak_bytes=peak,
                     argument_bytes=arg_bytes, output_bytes=out_bytes, live_bytes=live,
-                    mode=mode, notes=notes)
+                    mode=mode, notes=notes, platform=platform)
 
 
 def from_program(program: Program, *, donated: Sequence[int] = (),
