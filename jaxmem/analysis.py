@@ -108,7 +108,8 @@ class Analysis:
     """What the backward pass keeps, by layer, and the predicted memory timeline.
 
     Build it with :func:`analyze`. Print it for a table grouped by layer; in a notebook it
-    renders as HTML.
+    renders as HTML. ``peak_bytes`` is predicted for the compiler named by ``platform``
+    (``"cpu"``, ``"cuda"``, ``"tpu"``; TPU uses the CPU rules).
     """
 
     program: Program = dataclasses.field(repr=False)

@@ -29,6 +29,11 @@ over the window: one s32 ``iota`` per dimension of the pooled operand, and a var
 reduce-window whose outputs are the window maximum and its position, one s32 index per
 dimension (:func:`expansion_bytes`).
 
+XLA:GPU's convolutions (cuDNN) take symmetric padding only: for a convolution padded more on
+one side than the other (a stride-2 ``SAME`` convolution of an even-sized image), XLA pads
+the input explicitly, and the forward convolution and the backward one that reads the same
+input share the padded copy (:func:`padded_bytes`).
+
 The rules are the compilers' own, not a fit to measured peaks.
 """
 
@@ -37,7 +42,7 @@ from __future__ import annotations
 import math
 
 __all__ = ["PLATFORMS", "is_expensive", "makes_buffer", "normalise_platform", "upcast_bytes",
-           "expansion_bytes"]
+           "expansion_bytes", "padded_bytes"]
 
 #: Floating-point primitives XLA's base fusion pass will not duplicate.
 _EXPENSIVE = frozenset({
@@ -98,3 +103,22 @@ def expansion_bytes(primitive: str, operand: tuple[int, ...], out: tuple[int, ..
     n_in = int(math.prod(operand))
     n_out = int(math.prod(out))  # the source (window) shape
     return 4 * (rank * n_in + (rank + 1) * n_out)
+
+
+def padded_bytes(primitive: str, params: dict, lhs_shape: tuple[int, ...], itemsize: int,
+                 platform: str = "cpu") -> int:
+    """Bytes of the explicitly padded copy of a convolution's input XLA on ``platform``
+    makes: on XLA:GPU, for padding that is not the same on both sides of a spatial
+    dimension. 0 elsewhere."""
+    if primitive != "conv_general_dilated" or normalise_platform(platform) != "cuda":
+        return 0
+    pads = params.get("padding")
+    if not pads or isinstance(pads, str) or all(lo == hi for lo, hi in pads):
+        return 0
+    if any(lo < 0 or hi < 0 for lo, hi in pads):
+        return 0
+    dims = list(lhs_shape)
+    spatial = params["dimension_numbers"].lhs_spec[2:]
+    for d, (lo, hi) in zip(spatial, pads, strict=False):
+        dims[d] += lo + hi
+    return int(math.prod(dims)) * itemsize

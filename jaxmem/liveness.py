@@ -15,7 +15,13 @@ import jax
 import numpy as np
 
 from jaxmem import _jax
-from jaxmem.fusion import expansion_bytes, is_expensive, makes_buffer, upcast_bytes
+from jaxmem.fusion import (
+    expansion_bytes,
+    is_expensive,
+    makes_buffer,
+    padded_bytes,
+    upcast_bytes,
+)
 from jaxmem.primitives import CHEAP, Kind
 from jaxmem.program import Node, Program, from_jaxpr
 from jaxmem.schedule import schedule
@@ -131,20 +137,26 @@ def _unit_transient(node: Node, platform: str = "cpu") -> int:
 
 def _upcasts(program: Program, position: dict[int, int], delta: np.ndarray,
              platform: str) -> None:
-    """Add the f32 copies of half-precision matmul operands (:func:`jaxmem.fusion.upcast_bytes`),
-    each live from the first matmul reading it to the last."""
-    span: dict[int, list[int]] = {}
-    size: dict[int, int] = {}
+    """Add the operand copies XLA makes: f32 copies of half-precision matmul operands
+    (:func:`jaxmem.fusion.upcast_bytes`) and padded convolution inputs
+    (:func:`jaxmem.fusion.padded_bytes`), each live from the first reader to the last."""
+    span: dict[tuple[int, str], list[int]] = {}
+    size: dict[tuple[int, str], int] = {}
     for n in program.nodes:
-        for v in dict.fromkeys(n.inputs):
+        for k, v in enumerate(dict.fromkeys(n.inputs)):
             val = program.values[v]
-            extra = upcast_bytes(n.primitive, val.dtype, val.nbytes, platform)
-            if not extra:
-                continue
-            p = position[n.index]
-            s = span.setdefault(v, [p, p])
-            s[0], s[1] = min(s[0], p), max(s[1], p)
-            size[v] = extra
+            extras = [("f32", upcast_bytes(n.primitive, val.dtype, val.nbytes, platform))]
+            if k == 0 and n.eqn is not None:
+                item = val.nbytes // max(1, int(np.prod(val.shape)))
+                extras.append((f"pad{n.eqn.params.get('padding')}", padded_bytes(
+                    n.primitive, n.eqn.params, val.shape, item, platform)))
+            for kind, extra in extras:
+                if not extra:
+                    continue
+                p = position[n.index]
+                s = span.setdefault((v, kind), [p, p])
+                s[0], s[1] = min(s[0], p), max(s[1], p)
+                size[(v, kind)] = extra
     for v, (a, b) in span.items():
         delta[a] += size[v]
         delta[b + 1] -= size[v]
