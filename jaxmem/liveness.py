@@ -2,9 +2,11 @@
 
 Part of the second box of the data flow (``Program -> Analysis``): the memory timeline and
 predicted peak of :class:`~jaxmem.analysis.Analysis`, and the cost model's and the
-offload estimate's view of what is stored. It models XLA's fusion coarsely: an elementwise
-or layout-only value whose every reader is another elementwise/layout node in the same
-phase is assumed fused away (never materialised).
+offload estimate's view of what is stored. It models the target compiler: an elementwise or
+layout-only value whose every reader is another elementwise/layout node in the same phase is
+fused away (never materialised), across phases as the backend's fusion duplicates it, with
+the conversions and expansions it adds (:mod:`jaxmem.fusion`); nodes run in a scheduler's
+order (:mod:`jaxmem.schedule`), and outputs written into donated inputs cost nothing.
 """
 
 from __future__ import annotations
