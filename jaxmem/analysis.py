@@ -108,7 +108,8 @@ class Analysis:
     """What the backward pass keeps, by layer, and the predicted memory timeline.
 
     Build it with :func:`analyze`. Print it for a table grouped by layer; in a notebook it
-    renders as HTML.
+    renders as HTML. ``peak_bytes`` is predicted for the compiler named by ``platform``
+    (``"cpu"``, ``"cuda"``, ``"tpu"``; TPU uses the CPU rules).
     """
 
     program: Program = dataclasses.field(repr=False)
@@ -119,6 +120,7 @@ class Analysis:
     live_bytes: tuple[int, ...] = dataclasses.field(repr=False)
     mode: Literal["step", "loss", "forward"] = "step"
     notes: tuple[str, ...] = ()
+    platform: str = "cpu"
 
     @property
     def has_backward(self) -> bool:
@@ -311,7 +313,8 @@ def _is_scalar_float(x: Any) -> bool:
 
 
 def analyze(fn: Callable[..., Any], *args: Any, argnums: int | Sequence[int] | None = None,
-            has_aux: bool = False, **kwargs: Any) -> Analysis:
+            has_aux: bool = False, donate_argnums: int | Sequence[int] = (),
+            target: Any = None, **kwargs: Any) -> Analysis:
     """Analyse which forward values ``fn``'s backward pass keeps, and predict its peak.
 
     Args:
@@ -320,6 +323,12 @@ def analyze(fn: Callable[..., Any], *args: Any, argnums: int | Sequence[int] | N
       *args, **kwargs: example arguments (arrays, or ``jax.ShapeDtypeStruct``).
       argnums: for a loss, the arguments to differentiate; forces loss mode.
       has_aux: for a loss returning ``(loss, aux)``; forces loss mode.
+      donate_argnums: positional arguments donated to the compiled step (as for
+        ``jax.jit``; a train step's state is ``0``): outputs written into them cost nothing.
+      target: the compiler the peak is predicted for: a :mod:`jaxmem.targets` name or
+        :class:`~jaxmem.targets.Target` (``"h100"``, ``"cpu"``, ...); by default where the
+        arguments live (:func:`jaxmem.targets.platform_of`), else the default backend.
+        XLA:GPU and XLA:CPU fuse, convert and schedule differently (:mod:`jaxmem.fusion`).
 
     Returns:
       An :class:`Analysis`. For a function with no backward pass that is not a scalar loss,
@@ -355,7 +364,32 @@ def analyze(fn: Callable[..., Any], *args: Any, argnums: int | Sequence[int] | N
                 mode = "forward"
                 notes.append("the program has no backward pass (no transposed equations): "
                              "there is nothing to recompute or offload")
-    return _analysis(program, mode, tuple(notes))
+    donated = _flat_donated(args, donate_argnums)
+    return _analysis(program, mode, tuple(notes), donated, _platform(target, args, kwargs))
+
+
+def _flat_donated(args: Sequence[Any], donate_argnums: int | Sequence[int]) -> tuple[int, ...]:
+    """Positions among the flat inputs of the leaves of the donated positional arguments."""
+    nums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+    nums = {a % len(args) for a in nums if -len(args) <= a < len(args)}
+    out, k = [], 0
+    for i, a in enumerate(args):
+        n = len(jax.tree_util.tree_leaves(a))
+        if i in nums:
+            out.extend(range(k, k + n))
+        k += n
+    return tuple(out)
+
+
+def _platform(target: Any, args: Any, kwargs: Any) -> str:
+    """The compiler the prediction is for: ``target`` (a name or :class:`~jaxmem.targets.Target`)
+    or where the arguments live (the default backend when they do not say)."""
+    from jaxmem import targets
+
+    if target is None:
+        found = targets.platform_of((args, kwargs)) or jax.default_backend()
+        return "cuda" if found in ("gpu", "cuda") else found
+    return target.platform if isinstance(target, targets.Target) else targets.get(target).platform
 
 
 def _trace_loss(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
@@ -379,19 +413,23 @@ def _trace_loss(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, A
     return trace(vg, *args, **kwargs)
 
 
-def _analysis(program: Program, mode: Any, notes: tuple[str, ...]) -> Analysis:
+def _analysis(program: Program, mode: Any, notes: tuple[str, ...],
+              donated: Sequence[int] = (), platform: str = "cpu") -> Analysis:
     residuals = find_residuals(program)
-    peak, live, out_bytes = liveness(program)
+    peak, live, out_bytes = liveness(program, donated=donated, platform=platform)
     arg_bytes = sum(program.values[i].nbytes for i in program.inputs)
     if program.unknown_primitives:
         notes = notes + (f"{len(program.unknown_primitives)} unknown primitive(s) treated as "
                          "heavy (outputs kept): " + ", ".join(program.unknown_primitives),)
     return Analysis(program=program, residuals=residuals, peak_bytes=peak,
                     argument_bytes=arg_bytes, output_bytes=out_bytes, live_bytes=live,
-                    mode=mode, notes=notes)
+                    mode=mode, notes=notes, platform=platform)
 
 
-def from_program(program: Program) -> Analysis:
-    """Analyse an already traced :class:`Program`."""
+def from_program(program: Program, *, donated: Sequence[int] = (),
+                 platform: str = "cpu") -> Analysis:
+    """Analyse an already traced :class:`Program`. ``donated``: positions among its flat
+    inputs that are donated; ``platform``: the compiler the peak is predicted for
+    (``"cpu"``, ``"cuda"``, ``"tpu"``)."""
     mode = "step" if program.has_backward else "forward"
-    return _analysis(program, mode, ())
+    return _analysis(program, mode, (), donated, platform)

@@ -148,7 +148,7 @@ class CostModel:
         self.analysis = analysis
         self.profile = DeviceProfile.get(profile)
         prog = self.program = analysis.program
-        self.mat = materialised(prog)
+        self.mat = materialised(prog, analysis.platform)
         self.residual_ids = frozenset(r.value for r in analysis.residuals)
         self.activations = frozenset(r.value for r in analysis.residuals if r.is_activation)
         # Stored values the planner may drop (residual activations and anchors the rewrite
