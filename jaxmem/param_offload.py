@@ -28,7 +28,7 @@ from jax import lax
 from jaxmem import _jax
 from jaxmem.program import Program
 
-__all__ = ["model_reads", "update_start", "anchor", "fetched"]
+__all__ = ["model_reads", "update_start", "through_barriers", "anchor", "fetched"]
 
 
 def model_reads(program: Program) -> frozenset[int]:
@@ -42,6 +42,27 @@ def update_start(program: Program) -> int:
     equations (and anything else after the backward pass) start there."""
     return 1 + max((n.index for n in program.nodes if n.phase in ("forward", "backward")),
                    default=-1)
+
+
+def _is_barrier(node: Any) -> bool:
+    return node.eqn.primitive.name == "optimization_barrier"
+
+
+def through_barriers(program: Program, params: frozenset[int]) -> frozenset[int]:
+    """``params`` and the values ``optimization_barrier`` s pass them through as, before the
+    update (the residual rewrite ties recomputed equations' inputs with barriers): a barrier
+    forwards the host copy, and the equation reading its output fetches it."""
+    out = set(params)
+    for n in program.nodes[:update_start(program)]:
+        if _is_barrier(n):
+            out.update(o for v, o in zip(n.inputs, n.outputs, strict=True) if v in out)
+    return frozenset(out)
+
+
+def reads(program: Program, index: int, params: frozenset[int]) -> list[int]:
+    """The parameters node ``index`` fetches (none for a barrier: it forwards them)."""
+    node = program.nodes[index]
+    return [] if _is_barrier(node) else [v for v in dict.fromkeys(node.inputs) if v in params]
 
 
 def anchor(program: Program, index: int, params: frozenset[int]) -> int | None:
@@ -68,7 +89,7 @@ def fetched(program: Program, index: int, params: frozenset[int], env: dict[int,
             ) -> dict[int, Any]:
     """The parameters node ``index`` reads (value id -> array), each fetched to the device
     behind a barrier tied to :func:`anchor`: a fresh copy for this use only."""
-    mine = [v for v in dict.fromkeys(program.nodes[index].inputs) if v in params]
+    mine = reads(program, index, params)
     if not mine:
         return {}
     leaves = [env[v] for v in mine]

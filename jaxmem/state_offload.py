@@ -366,8 +366,9 @@ def _layout(program: Program, inputs: Sequence[int], outputs: Sequence[int]
     groups = _groups(program, state, frozenset(program.outputs[j] for j in outputs), params)
     in_group = {i for g in groups for i in g.nodes}
     largest = max((sum(program.values[s].nbytes for s in g.inputs) for g in groups), default=0)
+    params = param_offload.through_barriers(program, params) if params else params
     per_use = sum(program.values[v].nbytes for n in program.nodes if n.index not in in_group
-                  for v in dict.fromkeys(n.inputs) if v in params)
+                  for v in param_offload.reads(program, n.index, params))
     return params, groups, largest, per_use
 
 
