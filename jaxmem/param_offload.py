@@ -28,7 +28,11 @@ from jax import lax
 from jaxmem import _jax
 from jaxmem.program import Program
 
-__all__ = ["model_reads", "update_start", "through_barriers", "anchor", "fetched"]
+__all__ = ["model_reads", "update_start", "through_barriers", "anchor", "fetched", "reuse"]
+
+#: A node reading parameters whose outputs are at most this fraction of their bytes (an
+#: embedding lookup: a few rows of the table) is computed once, not re-fetched per use.
+REUSE_FRACTION = 1 / 8
 
 
 def model_reads(program: Program) -> frozenset[int]:
@@ -66,10 +70,11 @@ def reads(program: Program, index: int, params: frozenset[int]) -> list[int]:
 
 
 def anchor(program: Program, index: int, params: frozenset[int]) -> int | None:
-    """The value a fetch for node ``index`` waits for: its latest-made input that is not a
-    parameter; for a node reading parameters alone (a cast), the latest-made such input of
-    the nodes that read its outputs (the matmul's activation), made before the node. None
-    where there is none (the fetch may then start at the beginning of the step)."""
+    """The value a fetch for node ``index`` waits for: the latest-made value, other than a
+    parameter and made before the node, that the node or a node reading its outputs reads
+    (a cast's matmul reads the layer's activation; a recomputed embedding lookup's sum reads
+    the backward's latest cotangent). None where there is none (the fetch may then start at
+    the beginning of the step)."""
     node = program.nodes[index]
 
     def best(values: Iterable[int]) -> int | None:
@@ -78,11 +83,8 @@ def anchor(program: Program, index: int, params: frozenset[int]) -> int | None:
                 and program.values[v].producer < index and v not in program.constant_derived]
         return max(made)[1] if made else None
 
-    own = best(node.inputs)
-    if own is not None:
-        return own
     users = {u for o in node.outputs for u in program.users.get(o, ())}
-    return best(v for u in users for v in program.nodes[u].inputs)
+    return best([*node.inputs, *(v for u in users for v in program.nodes[u].inputs)])
 
 
 def fetched(program: Program, index: int, params: frozenset[int], env: dict[int, Any]
@@ -97,3 +99,53 @@ def fetched(program: Program, index: int, params: frozenset[int], env: dict[int,
     if tie is not None:
         leaves, _ = lax.optimization_barrier((leaves, env[tie]))
     return {v: jax.device_put(x, _jax.device_space()) for v, x in zip(mine, leaves, strict=True)}
+
+
+def reuse(program: Program, params: frozenset[int]) -> dict[int, int]:
+    """Node index -> an earlier node computing the same outputs, for the nodes reading
+    parameters whose outputs are small against them (:data:`REUSE_FRACTION`): the residual
+    plan recomputes an embedding lookup in every layer's backward (cheap in FLOPs on the
+    device), which from host memory would fetch the whole table each time. Same values are
+    found by value numbering, barriers passing their inputs' numbers through."""
+    number: dict[int, Any] = {}
+    first: dict[Any, int] = {}
+    out: dict[int, int] = {}
+    for n in program.nodes[:update_start(program)]:
+        if _is_barrier(n):
+            for v, o in zip(n.inputs, n.outputs, strict=True):
+                number[o] = number.get(v, v)
+            continue
+        key = _key(program, n, number)
+        if key is None:
+            continue
+        if key in first:
+            for o, e in zip(n.outputs, program.nodes[first[key]].outputs, strict=True):
+                number[o] = number.get(e, e)
+            read = sum(program.values[v].nbytes for v in reads(program, n.index, params))
+            made = sum(program.values[o].nbytes for o in n.outputs)
+            if read and made <= REUSE_FRACTION * read:
+                out[n.index] = first[key]
+        else:
+            first[key] = n.index
+    return out
+
+
+def _key(program: Program, node: Any, number: dict[int, Any]) -> Any:
+    """A hashable description of what ``node`` computes, or None (effects, large params)."""
+    if node.eqn.effects:
+        return None
+    params = repr(sorted(node.eqn.params.items()))
+    if len(params) > 2000:
+        return None
+    return (node.eqn.primitive.name, params, tuple(_number(program, v, number)
+                                                   for v in node.inputs))
+
+
+def _number(program: Program, v: int, number: dict[int, Any]) -> Any:
+    """``v``'s value number: a small literal by its value, anything else by its id."""
+    val = program.values[v]
+    if val.is_const and val.nbytes <= 64:
+        c = val.const
+        as_list = getattr(c, "tolist", lambda: c)()
+        return ("literal", str(getattr(c, "dtype", type(c))), repr(as_list))
+    return number.get(v, v)

@@ -309,7 +309,7 @@ def stream(fn: Callable[..., list[Any]], avals: Sequence[Any], inputs: Sequence[
     program = from_jaxpr(jax.make_jaxpr(fn)(*avals))
     state = frozenset(program.inputs[i] for i in inputs)
     written = [program.outputs[j] for j in outputs]
-    params, groups, largest, per_use = _layout(program, inputs, outputs)
+    params, groups, largest, per_use, again = _layout(program, inputs, outputs)
     in_group = {i for g in groups for i in g.nodes}
     last = _last_gradient(program, groups)
 
@@ -320,7 +320,10 @@ def stream(fn: Callable[..., list[Any]], avals: Sequence[Any], inputs: Sequence[
                 env[v.id] = v.const
         host_in = {s: env[s] for s in state}
         for n in program.nodes:
-            if n.index not in in_group:
+            if n.index in again:
+                env.update(zip(n.outputs, (env[o] for o in program.nodes[again[n.index]].outputs),
+                               strict=True))
+            elif n.index not in in_group:
                 _emit(n, env, param_offload.fetched(program, n.index, params, env)
                       if params else None)
         back: dict[int, Any] = {}         # written value id -> its host copy
@@ -358,18 +361,22 @@ def stream(fn: Callable[..., list[Any]], avals: Sequence[Any], inputs: Sequence[
 
 
 def _layout(program: Program, inputs: Sequence[int], outputs: Sequence[int]
-            ) -> tuple[frozenset[int], list[_Group], int, int]:
-    """``(params, groups, largest group's bytes, bytes fetched per use)``: the state the
-    model reads too, the update's groups, and what the forward and backward fetch."""
+            ) -> tuple[frozenset[int], list[_Group], int, int, dict[int, int]]:
+    """``(params, groups, largest group's bytes, bytes fetched per use, reused)``: the state
+    the model reads too, the update's groups, what the forward and backward fetch, and the
+    nodes that take an earlier node's outputs instead (:func:`param_offload.reuse`)."""
     state = frozenset(program.inputs[i] for i in inputs)
     params = state & param_offload.model_reads(program)
     groups = _groups(program, state, frozenset(program.outputs[j] for j in outputs), params)
     in_group = {i for g in groups for i in g.nodes}
     largest = max((sum(program.values[s].nbytes for s in g.inputs) for g in groups), default=0)
     params = param_offload.through_barriers(program, params) if params else params
-    per_use = sum(program.values[v].nbytes for n in program.nodes if n.index not in in_group
+    again = {i: j for i, j in param_offload.reuse(program, params).items()
+             if i not in in_group and j not in in_group} if params else {}
+    per_use = sum(program.values[v].nbytes for n in program.nodes
+                  if n.index not in in_group and n.index not in again
                   for v in param_offload.reads(program, n.index, params))
-    return params, groups, largest, per_use
+    return params, groups, largest, per_use, again
 
 
 def _last_gradient(program: Program, groups: list[_Group]) -> int | None:
@@ -485,7 +492,7 @@ def preview(program: Program, args: Any, mode: bool | str | Predicate,
     inputs, outputs, names = select(program, args, _out_shapes(program), mode)
     if not inputs:
         return None
-    _, groups, largest, per_use = _layout(program, inputs, outputs)
+    _, groups, largest, per_use, _ = _layout(program, inputs, outputs)
     return StateOffload(inputs, outputs, names, sum(_nbytes(flat[i]) for i in inputs),
                         largest, len(groups), _param_bytes(program, inputs, flat), per_use)
 
