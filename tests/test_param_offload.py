@@ -90,3 +90,32 @@ def test_a_fetch_waits_for_the_activation_of_its_layer():
         if program.inputs[-1] in n.inputs:
             continue  # the first layer's matmul reads the batch: nothing to wait for
         assert tie is not None and program.values[tie].producer < n.index
+
+
+def test_a_recomputed_embedding_lookup_is_not_fetched_again(monkeypatch):
+    """The auto plan recomputes the Llama embedding lookup in the backward (behind the
+    rewrite's barriers); each would fetch the whole table. Value numbering finds them the
+    same as the first lookup, which they reuse: the table is fetched once per step."""
+    from jaxmem import state_offload
+    from jaxmem.program import from_jaxpr
+    seen = {}
+    real = state_offload.stream
+
+    def spy(fn, avals, inputs, outputs, window=None):
+        seen.update(fn=fn, avals=avals, inputs=inputs)
+        return real(fn, avals, inputs, outputs, window)
+
+    monkeypatch.setattr(state_offload, "stream", spy)
+    w = zoo.make("llama", size="test", batch=1, abstract=True, seq=64, layers=2)
+    jaxmem.optimize(w.step, offload_state="all", verify=False).analysis(*w.args)
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in seen["avals"]]
+    program = from_jaxpr(jax.make_jaxpr(seen["fn"])(*avals))
+    model = param_offload.model_reads(program)
+    params = param_offload.through_barriers(
+        program, frozenset(program.inputs[i] for i in seen["inputs"]) & model)
+    lookups = [n.index for n in program.nodes if n.eqn.primitive.name == "gather"
+               and set(n.inputs) & params]
+    assert len(lookups) > 2  # recomputed per layer by the plan
+    monkeypatch.setattr(param_offload, "REUSE_FRACTION", 1.0)  # tiny table at test size
+    again = param_offload.reuse(program, params)
+    assert set(lookups[1:]) <= set(again) and {again[i] for i in lookups[1:]} == {lookups[0]}
