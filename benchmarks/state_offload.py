@@ -119,8 +119,9 @@ def extrapolate(a: dict, b: dict, layers: int, params: int) -> dict:
             return ra.get(key, 0) + slope * (layers - a["layers"])
         row = dict(ra, compile_s=None)
         for key in ("peak", "argument", "temp", "host", "link_bytes", "transfer_s_h100",
-                    "transfer_s_h200"):
-            row[key] = at(key)
+                    "transfer_s_h200", "state_bytes", "param_bytes", "fetch_bytes"):
+            if key in ra:
+                row[key] = at(key)
         row["fits"] = row["peak"] <= a["capacity"]
         rows.append(row)
     return dict(a, layers=layers, params=params, rows=rows,
