@@ -131,8 +131,10 @@ def reuse(program: Program, params: frozenset[int]) -> dict[int, int]:
 
 
 def _key(program: Program, node: Any, number: dict[int, Any]) -> Any:
-    """A hashable description of what ``node`` computes, or None (effects, large params)."""
-    if node.eqn.effects:
+    """A hashable description of what ``node`` computes, or None (effects, nested jaxprs or
+    functions, whose text may not say all they compute, large params)."""
+    if node.eqn.effects or _jax.sub_jaxprs(node.eqn) or any(
+            callable(x) for x in node.eqn.params.values()):
         return None
     params = repr(sorted(node.eqn.params.items()))
     if len(params) > 2000:

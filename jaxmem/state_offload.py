@@ -20,6 +20,10 @@ How the order is enforced (XLA schedules by data flow alone):
   gradient exists nor before the group two back has left the device, so at most two groups'
   slices are on the device at once (one updated, the next one arriving).
 
+With ``offload_state="all"`` the parameters (leaves the model reads too) join the groups
+through the update's equations only; their forward and backward reads are fetched per use
+by :mod:`jaxmem.param_offload`.
+
 On CPU, XLA strips host placement: the program runs the same equations (results are
 identical) but the compiled figures do not show the saving; compile for a GPU target
 (``jaxmem.targets.get("h100")``) to measure it. See docs/state_offload.md.
