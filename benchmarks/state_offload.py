@@ -9,6 +9,8 @@ at sequence 4096, batch 1, it compiles
 - **jaxmem**: ``jaxmem.optimize(step)`` (residual recompute, state on the device);
 - **jaxmem + state**: ``jaxmem.optimize(step, offload_state=True)`` (adam's moments in
   ``pinned_host``, streamed per layer, :mod:`jaxmem.state_offload`);
+- **jaxmem + state + params**: ``offload_state="all"`` (the f32 parameters in host memory
+  too, fetched before each use, :mod:`jaxmem.param_offload`; ``--variants`` picks it);
 
 and records the compiled device peak (``argument + output + temp - alias``), the host bytes,
 the bytes over the host link per step and their predicted time on the H100 and H200 device
@@ -36,7 +38,9 @@ from jaxmem import measure
 from jaxmem.costmodel import DeviceProfile
 from jaxmem.measure import fmt_bytes
 
-VARIANTS = ("plain", "jaxmem", "jaxmem + state")
+VARIANTS = ("plain", "jaxmem", "jaxmem + state", "jaxmem + state + params", "remat",
+            "remat + state")
+DEFAULT = ("plain", "jaxmem", "jaxmem + state", "remat", "remat + state")
 
 
 def _row(variant: str, compiled: Any, secs: float, capacity: int, info: Any = None) -> dict:
@@ -51,14 +55,16 @@ def _row(variant: str, compiled: Any, secs: float, capacity: int, info: Any = No
                transfer_s_h100=0.0, transfer_s_h200=0.0)
     if info is not None:
         row.update(link_bytes=info.link_bytes, state_bytes=info.nbytes, groups=info.groups,
-                   largest_group=info.largest_group,
+                   largest_group=info.largest_group, param_bytes=info.param_bytes,
+                   fetch_bytes=info.fetch_bytes,
                    transfer_s_h100=info.transfer_time("h100"),
                    transfer_s_h200=info.transfer_time("h200"))
     return row
 
 
 def measure_size(size: str, target: str = "h100", seq: int = 4096, batch: int = 1,
-                 layers: int | None = None, verify: bool = False, remat: bool = True) -> dict:
+                 layers: int | None = None, verify: bool = False, remat: bool = True,
+                 variants: tuple[str, ...] = DEFAULT) -> dict:
     """Plain, jaxmem and jaxmem + state offload for one Llama size on ``target``; with
     ``remat``, also each layer under ``nn.remat(nothing_saveable)`` (MaxText's ``"full"``
     remat policy: only layer inputs kept), plain and with the state offloaded."""
@@ -67,17 +73,25 @@ def measure_size(size: str, target: str = "h100", seq: int = 4096, batch: int = 
     w = zoo.make("llama", size=size, batch=batch, abstract=True, **over)
     args = t.place(w.args)
     n_params = sum(x.size for x in jax.tree.leaves(w.state["params"]))
-    t0 = time.perf_counter()
-    opt = jaxmem.optimize(w.step, offload_state=True, verify=verify)
-    plan = opt.plan(*args)  # compiles the step and plain jax.jit (its baseline)
-    secs = time.perf_counter() - t0
-    streamed = _row("jaxmem + state", opt.lower(*args).compile(), secs, t.memory_bytes,
-                    plan.state_offload)
-    t0 = time.perf_counter()
-    kept = jaxmem.optimize(w.step, verify=verify).lower(*args).compile()
-    rows = [_plain_row(plan.baseline, t.memory_bytes),
-            _row("jaxmem", kept, time.perf_counter() - t0, t.memory_bytes), streamed]
-    if remat:
+    rows = []
+    for variant, mode in (("jaxmem + state", True), ("jaxmem + state + params", "all")):
+        if variant not in variants:
+            continue
+        t0 = time.perf_counter()
+        opt = jaxmem.optimize(w.step, offload_state=mode, verify=verify)
+        plan = opt.plan(*args)  # compiles the step and plain jax.jit (its baseline)
+        secs = time.perf_counter() - t0
+        rows.append(_row(variant, opt.lower(*args).compile(), secs, t.memory_bytes,
+                         plan.state_offload))
+        print(f"{size} {layers} layers {variant}: {fmt_bytes(rows[-1]['peak'])}", flush=True)
+        if "plain" in variants and not any(r["variant"] == "plain" for r in rows):
+            rows.insert(0, _plain_row(plan.baseline, t.memory_bytes))
+    if "jaxmem" in variants:
+        t0 = time.perf_counter()
+        kept = jaxmem.optimize(w.step, verify=verify).lower(*args).compile()
+        rows.insert(int(rows[0]["variant"] == "plain") if rows else 0,
+                    _row("jaxmem", kept, time.perf_counter() - t0, t.memory_bytes))
+    if remat and "remat" in variants:
         rw = w.with_remat(jax.checkpoint_policies.nothing_saveable)
         t0 = time.perf_counter()
         ropt = jaxmem.optimize(rw.step, offload_state=True, strategy="none")
@@ -105,8 +119,9 @@ def extrapolate(a: dict, b: dict, layers: int, params: int) -> dict:
             return ra.get(key, 0) + slope * (layers - a["layers"])
         row = dict(ra, compile_s=None)
         for key in ("peak", "argument", "temp", "host", "link_bytes", "transfer_s_h100",
-                    "transfer_s_h200"):
-            row[key] = at(key)
+                    "transfer_s_h200", "state_bytes", "param_bytes", "fetch_bytes"):
+            if key in ra:
+                row[key] = at(key)
         row["fits"] = row["peak"] <= a["capacity"]
         rows.append(row)
     return dict(a, layers=layers, params=params, rows=rows,
@@ -147,13 +162,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--verify", action="store_true",
                     help="let optimize compile its auto candidates (slow at 8B)")
     ap.add_argument("--no-remat", action="store_true", help="skip the per-layer remat rows")
+    ap.add_argument("--variants", default=",".join(DEFAULT),
+                    help=f"comma-separated, of {', '.join(VARIANTS)} (remat: both remat rows)")
     ap.add_argument("--out", default=None, help="folder for results.json and results.md")
     a = ap.parse_args(argv)
     counts = [None] if a.layers is None else [int(x) for x in a.layers.split(",")]
     results = []
     for size in a.sizes.split(","):
         mine = [measure_size(size, a.target, a.seq, layers=n, verify=a.verify,
-                             remat=not a.no_remat) for n in counts]
+                             remat=not a.no_remat, variants=tuple(a.variants.split(",")))
+                for n in counts]
         results += mine
         if len(mine) == 2:
             cfg = zoo.llama.model_config(size)

@@ -1,7 +1,13 @@
-"""One compile of the 8B Llama step with per-layer remat and the state in host memory, on the
-H100 target, at the given layer counts: checks benchmarks/state_offload.py's extrapolation.
+"""One compile of the 8B Llama step on the H100 target at the given layer counts: checks
+benchmarks/state_offload.py's extrapolation.
 
-    nice python -m benchmarks.state_offload_check 8 32
+    nice python -m benchmarks.state_offload_check 8 32            # remat + state
+    nice python -m benchmarks.state_offload_check --params 32     # jaxmem + state + params
+
+The default variant is each layer under ``nn.remat(nothing_saveable)`` with the moments in
+host memory (``offload_state=True, strategy="none"``); ``--params`` is jaxmem's own plan
+(``verify=False``, no user remat) with the moments and the parameters in host memory
+(``offload_state="all"``).
 """
 
 from __future__ import annotations
@@ -16,21 +22,25 @@ from benchmarks import zoo
 from jaxmem import measure
 
 
-def main(counts: list[int]) -> None:
+def main(counts: list[int], params: bool = False) -> None:
     t = jaxmem.targets.require("h100")
     for n in counts:
-        w = zoo.make("llama", size="8b", batch=1, abstract=True, seq=4096, layers=n,
-                     remat_policy=jax.checkpoint_policies.nothing_saveable)
+        remat = {} if params else dict(remat_policy=jax.checkpoint_policies.nothing_saveable)
+        w = zoo.make("llama", size="8b", batch=1, abstract=True, seq=4096, layers=n, **remat)
         args = t.place(w.args)
         t0 = time.perf_counter()
-        c = jaxmem.optimize(w.step, offload_state=True, strategy="none").lower(*args).compile()
+        opt = (jaxmem.optimize(w.step, offload_state="all", verify=False) if params else
+               jaxmem.optimize(w.step, offload_state=True, strategy="none"))
+        c = opt.lower(*args).compile()
         f = measure.figures(c)
         host = c.memory_analysis().host_argument_size_in_bytes
-        print(f"8b remat + state, {n} layers: device peak {measure.fmt_bytes(f.peak)} "
+        name = "jaxmem + state + params" if params else "remat + state"
+        print(f"8b {name}, {n} layers: device peak {measure.fmt_bytes(f.peak)} "
               f"(fits {measure.fmt_bytes(t.memory_bytes)}: {f.peak <= t.memory_bytes}), host "
               f"arguments {measure.fmt_bytes(host)}, compile {time.perf_counter() - t0:.0f} s",
               flush=True)
 
 
 if __name__ == "__main__":
-    main([int(x) for x in sys.argv[1:]] or [32])
+    argv = sys.argv[1:]
+    main([int(x) for x in argv if x != "--params"] or [32], params="--params" in argv)

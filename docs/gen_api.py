@@ -35,6 +35,7 @@ SECTIONS: list[tuple[str, str, list[str] | None]] = [
      ["plan_with_budget", "Candidate", "greedy", "exact", "Pareto", "ParetoRow"]),
     ("jaxmem.rewrite", "jaxmem.rewrite", None),
     ("jaxmem.state_offload", "jaxmem.state_offload", None),
+    ("jaxmem.param_offload", "jaxmem.param_offload", None),
     ("jaxmem.scans", "jaxmem.scans", None),
     ("jaxmem.budget.scans", "jaxmem.budget.scans", None),
     ("jaxmem.shard_map", "jaxmem.shard_map", None),

@@ -133,8 +133,8 @@ class Optimized:
                  remat_scans: bool | Callable[..., Any] = True, offload_state: Any = False,
                  **jit_kwargs: Any) -> None:
         if not (callable(offload_state) or offload_state in state_offload.MODES):
-            raise ValueError(f"offload_state must be True, False, 'opt', 'auto' or a predicate "
-                             f"(path, leaf) -> bool, got {offload_state!r}")
+            raise ValueError(f"offload_state must be True, False, 'opt', 'auto', 'all' or a "
+                             f"predicate (path, leaf) -> bool, got {offload_state!r}")
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         _check_options(budget, offload, donate_argnums, max_recompute_fraction)
@@ -820,7 +820,9 @@ def optimize(fn: Callable[..., Any] | None = None, *, budget: Any = None,
         (:mod:`jaxmem.state_offload`, docs/state_offload.md). ``True``/``"opt"``: the
         floating leaves only the update reads; or a predicate ``(path, leaf) -> bool``;
         ``"auto"``: only where a ``budget`` is not met otherwise (the planner weighs the
-        state's transfer time against recompute and residual offload).
+        state's transfer time against recompute and residual offload); ``"all"``: the
+        optimizer state and the parameters, fetched again before each forward and backward
+        use (:mod:`jaxmem.param_offload`).
       **jit_kwargs: ``keep_unused`` / ``inline``, passed to ``jax.jit``.
 
     Returns:

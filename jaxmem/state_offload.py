@@ -20,6 +20,10 @@ How the order is enforced (XLA schedules by data flow alone):
   gradient exists nor before the group two back has left the device, so at most two groups'
   slices are on the device at once (one updated, the next one arriving).
 
+With ``offload_state="all"`` the parameters (leaves the model reads too) join the groups
+through the update's equations only; their forward and backward reads are fetched per use
+by :mod:`jaxmem.param_offload`.
+
 On CPU, XLA strips host placement: the program runs the same equations (results are
 identical) but the compiled figures do not show the saving; compile for a GPU target
 (``jaxmem.targets.get("h100")``) to measure it. See docs/state_offload.md.
@@ -47,14 +51,14 @@ from typing import Any
 import jax
 from jax import lax
 
-from jaxmem import _jax
+from jaxmem import _jax, param_offload
 from jaxmem.measure import fmt_bytes
 from jaxmem.program import Program, from_jaxpr
 
 __all__ = ["StateOffload", "place", "preview", "select", "stream", "to_host", "with_budget",
            "wrap"]
 
-MODES = (True, False, "opt", "auto")
+MODES = (True, False, "opt", "auto", "all")
 
 #: Leaves smaller than this stay on the device (adam's count, schedules' scalars): every
 #: group reads them, so offloading them would merge all groups into one.
@@ -79,6 +83,10 @@ class StateOffload:
       largest_group: bytes of the largest group fetched at once (one layer's slice, the two
         moments of one parameter).
       groups: how many groups the update was split into.
+      param_bytes: bytes of those leaves the model reads too (the parameters, with
+        ``offload_state="all"``; part of ``nbytes``).
+      fetch_bytes: bytes fetched per step for the forward and backward passes' reads of the
+        parameters (one fetch per reading equation; :mod:`jaxmem.param_offload`).
     """
 
     inputs: tuple[int, ...]
@@ -87,11 +95,14 @@ class StateOffload:
     nbytes: int
     largest_group: int = 0
     groups: int = 0
+    param_bytes: int = 0
+    fetch_bytes: int = 0
 
     @property
     def link_bytes(self) -> int:
-        """Bytes over the host link per step: every leaf fetched once and written back once."""
-        return 2 * self.nbytes
+        """Bytes over the host link per step: every leaf fetched for the update and written
+        back once, and the parameters fetched again for each forward or backward read."""
+        return 2 * self.nbytes + self.fetch_bytes
 
     def transfer_time(self, profile: Any = "h100") -> float:
         """Predicted seconds the host link needs per step on ``profile``
@@ -103,8 +114,12 @@ class StateOffload:
         """One line for a plan's notes: what moves and what it costs."""
         from jaxmem.costmodel import DeviceProfile
         prof = DeviceProfile.get(profile)
+        params = (f" (parameters {fmt_bytes(self.param_bytes)}, fetched again before each "
+                  f"forward and backward use: {fmt_bytes(self.fetch_bytes)})"
+                  if self.param_bytes else "")
         return (f"optimizer state in host memory: {len(self.inputs)} leaves, "
-                f"{fmt_bytes(self.nbytes)} off the device, streamed in {self.groups} groups "
+                f"{fmt_bytes(self.nbytes)} off the device{params}, streamed in "
+                f"{self.groups} groups "
                 f"(largest {fmt_bytes(self.largest_group)}); {fmt_bytes(self.link_bytes)} "
                 f"over the host link per step, {1e3 * self.transfer_time(prof):.1f} ms at "
                 f"{prof.host_bw / 1e9:.0f} GB/s ({prof.name})")
@@ -133,7 +148,9 @@ def select(program: Program, args: Any, outs: Any, mode: bool | str | Predicate
       outs: the step's output pytree (shapes suffice), to pair each leaf with its new value.
       mode: ``True`` / ``"opt"`` / ``"auto"``: floating leaves of at least
         :data:`MIN_BYTES` that only the optimizer update reads (neither the forward nor the
-        backward pass does): the optimizer state. A callable ``mode(path, leaf) -> bool``
+        backward pass does): the optimizer state. ``"all"``: those and the parameters (leaves
+        the model reads that the update reads too and gives a new value;
+        :mod:`jaxmem.param_offload`). A callable ``mode(path, leaf) -> bool``
         picks leaves by pytree path instead (only leaves the forward and backward do not
         read).
 
@@ -144,8 +161,9 @@ def select(program: Program, args: Any, outs: Any, mode: bool | str | Predicate
     """
     in_leaves = jax.tree_util.tree_flatten_with_path(args)[0]
     out_leaves = jax.tree_util.tree_flatten_with_path(outs)[0]
-    read_by_model = {v for n in program.nodes if n.phase in ("forward", "backward")
-                     for v in n.inputs}
+    read_by_model = param_offload.model_reads(program)
+    start = param_offload.update_start(program)
+    by_update = {v for n in program.nodes[start:] for v in n.inputs}
     chosen = []
     for pos, (path, leaf) in enumerate(in_leaves):
         vid = program.inputs[pos]
@@ -158,8 +176,8 @@ def select(program: Program, args: Any, outs: Any, mode: bool | str | Predicate
                     f" {getattr(leaf, 'shape', '')} is read by the forward or backward pass; "
                     "only optimizer state (read by the update alone) can live in host memory. "
                     "Narrow the predicate (e.g. to paths under 'opt_state').")
-        elif not (_is_float(leaf) and _nbytes(leaf) >= MIN_BYTES and vid not in read_by_model
-                  and vid in program.users):
+        elif not (_is_float(leaf) and _nbytes(leaf) >= MIN_BYTES and vid in program.users
+                  and (vid not in read_by_model or (mode == "all" and vid in by_update))):
             continue
         chosen.append(pos)
     pairs = _pair_outputs(program, in_leaves, out_leaves, chosen)
@@ -205,8 +223,12 @@ class _Group:
     after: int                 # node index of the last non-group value the group reads
 
 
-def _groups(program: Program, state: frozenset[int], written: frozenset[int]) -> list[_Group]:
-    """The update split into groups (see the module docstring), in backward order."""
+def _groups(program: Program, state: frozenset[int], written: frozenset[int],
+            params: frozenset[int] = frozenset()) -> list[_Group]:
+    """The update split into groups (see the module docstring), in backward order. The
+    ``params`` (state the model reads too) join a group only through the equations after
+    the backward pass; their forward and backward reads are fetched per use."""
+    start = param_offload.update_start(program) if params else 0
     parent: dict[int, int] = {s: s for s in state}
 
     def find(x: int) -> int:
@@ -218,7 +240,8 @@ def _groups(program: Program, state: frozenset[int], written: frozenset[int]) ->
     root_of: dict[int, int] = {s: s for s in state}    # value id -> a state input it derives from
     node_root: dict[int, int] = {}
     for n in program.nodes:
-        roots = {find(root_of[v]) for v in n.inputs if v in root_of}
+        roots = {find(root_of[v]) for v in n.inputs
+                 if v in root_of and (n.index >= start or v not in params)}
         if not roots:
             continue
         r, *rest = roots
@@ -276,11 +299,13 @@ def _absorb_feeders(program: Program, nodes: list[int], taken: dict[int, int],
 
 def stream(fn: Callable[..., list[Any]], avals: Sequence[Any], inputs: Sequence[int],
            outputs: Sequence[int], window: int | None = None
-           ) -> tuple[Callable[..., list[Any]], int, int]:
+           ) -> tuple[Callable[..., list[Any]], int, int, int]:
     """``fn`` (flat inputs -> flat outputs) with the state at ``inputs`` read from host
-    memory and its new values (``outputs``) written back there, streamed group by group.
+    memory and its new values (``outputs``) written back there, streamed group by group;
+    state the forward or backward pass reads (parameters) is also fetched before each of
+    those reads (:mod:`jaxmem.param_offload`).
 
-    Returns ``(new_fn, groups, largest_group_bytes)``.
+    Returns ``(new_fn, groups, largest_group_bytes, per_use_fetch_bytes)``.
     """
     window = WINDOW if window is None else max(1, int(window))
     avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
@@ -288,9 +313,8 @@ def stream(fn: Callable[..., list[Any]], avals: Sequence[Any], inputs: Sequence[
     program = from_jaxpr(jax.make_jaxpr(fn)(*avals))
     state = frozenset(program.inputs[i] for i in inputs)
     written = [program.outputs[j] for j in outputs]
-    groups = _groups(program, state, frozenset(written))
+    params, groups, largest, per_use, again = _layout(program, inputs, outputs)
     in_group = {i for g in groups for i in g.nodes}
-    largest = max((sum(program.values[s].nbytes for s in g.inputs) for g in groups), default=0)
     last = _last_gradient(program, groups)
 
     def run(*flat: Any) -> list[Any]:
@@ -300,8 +324,12 @@ def stream(fn: Callable[..., list[Any]], avals: Sequence[Any], inputs: Sequence[
                 env[v.id] = v.const
         host_in = {s: env[s] for s in state}
         for n in program.nodes:
-            if n.index not in in_group:
-                _emit(n, env)
+            if n.index in again:
+                env.update(zip(n.outputs, (env[o] for o in program.nodes[again[n.index]].outputs),
+                               strict=True))
+            elif n.index not in in_group:
+                _emit(n, env, param_offload.fetched(program, n.index, params, env)
+                      if params else None)
         back: dict[int, Any] = {}         # written value id -> its host copy
         done: list[list[Any]] = []        # per group, the host copies it wrote
         for k, g in enumerate(groups):
@@ -333,7 +361,26 @@ def stream(fn: Callable[..., list[Any]], avals: Sequence[Any], inputs: Sequence[
                 outs.append(env[v])
         return outs
 
-    return run, len(groups), largest
+    return run, len(groups), largest, per_use
+
+
+def _layout(program: Program, inputs: Sequence[int], outputs: Sequence[int]
+            ) -> tuple[frozenset[int], list[_Group], int, int, dict[int, int]]:
+    """``(params, groups, largest group's bytes, bytes fetched per use, reused)``: the state
+    the model reads too, the update's groups, what the forward and backward fetch, and the
+    nodes that take an earlier node's outputs instead (:func:`param_offload.reuse`)."""
+    state = frozenset(program.inputs[i] for i in inputs)
+    params = state & param_offload.model_reads(program)
+    groups = _groups(program, state, frozenset(program.outputs[j] for j in outputs), params)
+    in_group = {i for g in groups for i in g.nodes}
+    largest = max((sum(program.values[s].nbytes for s in g.inputs) for g in groups), default=0)
+    params = param_offload.through_barriers(program, params) if params else params
+    again = {i: j for i, j in param_offload.reuse(program, params).items()
+             if i not in in_group and j not in in_group} if params else {}
+    per_use = sum(program.values[v].nbytes for n in program.nodes
+                  if n.index not in in_group and n.index not in again
+                  for v in param_offload.reads(program, n.index, params))
+    return params, groups, largest, per_use, again
 
 
 def _last_gradient(program: Program, groups: list[_Group]) -> int | None:
@@ -358,9 +405,11 @@ def _external(program: Program, g: _Group) -> list[int]:
     return list(dict.fromkeys(out))
 
 
-def _emit(n: Any, env: dict[int, Any]) -> None:
+def _emit(n: Any, env: dict[int, Any], subs: dict[int, Any] | None = None) -> None:
+    """Bind node ``n`` on ``env``'s values (``subs`` overriding some: fetched parameters)."""
+    subs = subs or {}
     with _jax.user_context(n.eqn.source_info.traceback, n.stack):
-        outs = _jax.bind(n.eqn, *[env[v] for v in n.inputs])
+        outs = _jax.bind(n.eqn, *[subs[v] if v in subs else env[v] for v in n.inputs])
     for o, x in zip(n.outputs, outs, strict=True):
         env[o] = x
 
@@ -427,9 +476,9 @@ def wrap(jitted: Any, program: Program, args: Any, flat: Sequence[Any],
     inputs, outputs, names = select(program, args, _out_shapes(program), mode)
     if not inputs:
         return jitted, None
-    fn, groups, largest = stream(jitted.__wrapped__, flat, inputs, outputs)
-    nbytes = sum(_nbytes(flat[i]) for i in inputs)
-    info = StateOffload(inputs, outputs, names, nbytes, largest, groups)
+    fn, groups, largest, per_use = stream(jitted.__wrapped__, flat, inputs, outputs)
+    info = StateOffload(inputs, outputs, names, sum(_nbytes(flat[i]) for i in inputs),
+                        largest, groups, _param_bytes(program, inputs, flat), per_use)
     return jax.jit(fn, donate_argnums=tuple(donate_flat), **jit_kwargs), info
 
 
@@ -447,11 +496,15 @@ def preview(program: Program, args: Any, mode: bool | str | Predicate,
     inputs, outputs, names = select(program, args, _out_shapes(program), mode)
     if not inputs:
         return None
-    state = frozenset(program.inputs[i] for i in inputs)
-    groups = _groups(program, state, frozenset(program.outputs[j] for j in outputs))
-    largest = max((sum(program.values[s].nbytes for s in g.inputs) for g in groups), default=0)
+    _, groups, largest, per_use, _ = _layout(program, inputs, outputs)
     return StateOffload(inputs, outputs, names, sum(_nbytes(flat[i]) for i in inputs),
-                        largest, len(groups))
+                        largest, len(groups), _param_bytes(program, inputs, flat), per_use)
+
+
+def _param_bytes(program: Program, inputs: Sequence[int], flat: Sequence[Any]) -> int:
+    """Bytes of the offloaded leaves the forward or backward pass reads (the parameters)."""
+    model = param_offload.model_reads(program)
+    return sum(_nbytes(flat[i]) for i in inputs if program.inputs[i] in model)
 
 
 def with_budget(search: Callable[[Any], Any], budget: Any, mode: bool | str | Predicate,
