@@ -28,7 +28,7 @@ from jaxmem.chains import chain_start, is_anchor, replay_chain
 from jaxmem.liveness import liveness
 from jaxmem.measure import fmt_bytes
 from jaxmem.primitives import CHEAP, Kind
-from jaxmem.program import Node, Program, TraceError, trace
+from jaxmem.program import Node, Program, TraceError, flat_donated, trace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,21 +364,8 @@ def analyze(fn: Callable[..., Any], *args: Any, argnums: int | Sequence[int] | N
                 mode = "forward"
                 notes.append("the program has no backward pass (no transposed equations): "
                              "there is nothing to recompute or offload")
-    donated = _flat_donated(args, donate_argnums)
+    donated = flat_donated(args, donate_argnums)
     return _analysis(program, mode, tuple(notes), donated, _platform(target, args, kwargs))
-
-
-def _flat_donated(args: Sequence[Any], donate_argnums: int | Sequence[int]) -> tuple[int, ...]:
-    """Positions among the flat inputs of the leaves of the donated positional arguments."""
-    nums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
-    nums = {a % len(args) for a in nums if -len(args) <= a < len(args)}
-    out, k = [], 0
-    for i, a in enumerate(args):
-        n = len(jax.tree_util.tree_leaves(a))
-        if i in nums:
-            out.extend(range(k, k + n))
-        k += n
-    return tuple(out)
 
 
 def _platform(target: Any, args: Any, kwargs: Any) -> str:

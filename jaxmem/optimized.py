@@ -41,7 +41,7 @@ from jaxmem.measure import Figures, fmt_bytes
 from jaxmem.multihost import check_same_plan
 from jaxmem.plan import Decision, Plan
 from jaxmem.policies import utility
-from jaxmem.program import Program, backward_in_units, check_leaves, from_jaxpr, trace
+from jaxmem.program import Program, backward_in_units, check_leaves, flat_donated, from_jaxpr, trace
 from jaxmem.rewrite import apply
 from jaxmem.scans import TrainBodies, bodies_only, loop_plan
 from jaxmem.shard_map import BodyPlanner, plan_bodies
@@ -324,7 +324,7 @@ class Optimized:
         platform = targets.platform_of(flat) or jax.default_backend()
         self._check_offload(analysis, flat, platform)
         donated = self._donated(dyn_args, analysis)
-        donate_flat = _flat_positions(dyn_args, kwargs, donated)
+        donate_flat = flat_donated(dyn_args, donated)
 
         def jit_plan(p: Plan) -> Any:
             return jax.jit(apply(program, p), donate_argnums=donate_flat, **self.jit_kwargs)
@@ -764,17 +764,6 @@ def pareto(step: Callable[..., Any], *args: Any,
     """
     return sweep(lambda b: optimize(step, budget=b, offload=offload,
                                     **optimize_kwargs).plan(*args), budgets)
-
-
-def _flat_positions(dyn_args: tuple[Any, ...], kwargs: dict[str, Any],
-                    donated: tuple[int, ...]) -> tuple[int, ...]:
-    out, pos = [], 0
-    for i, a in enumerate(dyn_args):
-        n = len(jax.tree_util.tree_leaves(a))
-        if i in donated:
-            out.extend(range(pos, pos + n))
-        pos += n
-    return tuple(out)
 
 
 def optimize(fn: Callable[..., Any] | None = None, *, budget: Any = None,

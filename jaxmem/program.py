@@ -380,3 +380,16 @@ def from_jaxpr(closed: Any, in_tree: Any = None, out_tree: Any = None) -> Progra
     return Program(nodes=tuple(b.nodes), values=tuple(b.values), inputs=tuple(inputs),
                    outputs=outputs, in_tree=in_tree, out_tree=out_tree, jaxpr=closed,
                    unknown_primitives=tuple(b.unknown))
+
+
+def flat_donated(args: Sequence[Any], donate_argnums: int | Sequence[int]) -> tuple[int, ...]:
+    """Positions among the flat inputs of the leaves of the donated positional arguments."""
+    nums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+    nums = {a % len(args) for a in nums if -len(args) <= a < len(args)}
+    out, k = [], 0
+    for i, a in enumerate(args):
+        n = len(jax.tree_util.tree_leaves(a))
+        if i in nums:
+            out.extend(range(k, k + n))
+        k += n
+    return tuple(out)

@@ -10,12 +10,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import jaxmem
 from benchmarks import zoo
-from jaxmem import measure, param_offload, targets
+from jaxmem import measure, param_offload
+from tests.test_state_offload import _adam_mlp  # the same 4-layer adam MLP on the H100 target
 
 
 def test_identical_values_with_the_parameters_in_host_memory():
@@ -37,26 +37,6 @@ def test_identical_values_with_the_parameters_in_host_memory():
     assert info.param_bytes < info.fetch_bytes < 2 * info.param_bytes
     assert info.link_bytes == 2 * info.nbytes + info.fetch_bytes
     assert len(opt._cache) == 1
-
-
-def _adam_mlp(layers=4, width=512):
-    tx = optax.adam(1e-3)
-
-    def loss(params, x):
-        h = x
-        for w in params:
-            h = jnp.tanh(h @ w)
-        return jnp.mean(h ** 2)
-
-    def step(params, opt_state, x):
-        value, grads = jax.value_and_grad(loss)(params, x)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value
-
-    params = [jax.ShapeDtypeStruct((width, width), jnp.float32) for _ in range(layers)]
-    args = (params, jax.eval_shape(tx.init, params),
-            jax.ShapeDtypeStruct((32, width), jnp.float32))
-    return step, targets.place(args, targets.require("h100"))
 
 
 @pytest.mark.slow

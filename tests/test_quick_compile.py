@@ -12,17 +12,7 @@ import jaxmem
 from benchmarks import zoo
 from jaxmem import measure, plan_cache, quick_compile, strategies
 from jaxmem.rewrite import apply
-
-
-def step(ws, x):
-    def loss(ws):
-        h = x
-        for w in ws:
-            h = h + jnp.tanh(jax.nn.gelu(h @ w) * 1.5)
-        return jnp.mean(h ** 2)
-    val, g = jax.value_and_grad(loss)(ws)
-    return [w - 0.1 * d for w, d in zip(ws, g, strict=True)], val
-
+from tests.test_plan_cache import step  # the residual gelu/tanh MLP step
 
 WS = [jnp.full((32, 32), 0.02 * (i + 1)) for i in range(6)]
 X = jax.random.normal(jax.random.key(0), (1024, 32))  # a plan beats the plain step
