@@ -150,6 +150,17 @@ class _Search:
                 self.device_peak))
             if found.plan is not None:
                 return self._finish_block_offload(found)
+        if best is None and self.forced and self.plain <= self.requested:
+            # offload_name tags are a request, as without a budget (verify keeps the plain
+            # step when offloading them does not lower the peak): the budget comes first
+            tried = [c.peak for c in self.tried.values()]
+            lowest = f"; lowest tried {fmt_bytes(min(tried))}" if tried else ""
+            return self._finish(frozenset(), frozenset(), "budget", self.base_fig, [
+                f"no plan that keeps the {len(self.forced)} jaxmem.offload_name value(s) in "
+                f"host memory fits the budget {fmt_bytes(self.requested)}{lowest}; the "
+                f"plain-jit peak "
+                f"{fmt_bytes(self.plain)} fits it, so the plain step runs and the tags are "
+                "not applied"])
         if best is None:
             raise self._error()
         return self._finish_best(best)

@@ -22,6 +22,13 @@ CASES: list[tuple[Case, str, str, dict]] = [
     # The same with offload=True: 3708 B against 3100 B.
     (Case(seed=1, ops=(Op("dense_act", 1), Op("offload_name", 0), Op("dense_act", 2)),
           batch=4), "offload", "offload=True: unverified plan above plain", {}),
+    # An offload_name tag and a budget the plain step fits (budget=1.0 of plain): every plan
+    # honouring the tag compiled above the budget (9.93 KiB against 9.78 KiB), and the search
+    # raised BudgetError although its own minimum, the plain step, fits (long run, seed
+    # 2002465; also seeds 2001952-2001985 packed).
+    (Case(seed=2002465, ops=(Op("batched_dot", 18), Op("offload_name", 49)), update="adam"),
+     "budget_frac", "offload_name tag: BudgetError where the plain step fits",
+     {"fraction": 1.0}),
 ]
 
 #: index in CASES -> reason, for entries still failing (run as xfail(strict=True)).
