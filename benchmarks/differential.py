@@ -30,7 +30,7 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.difftest.check import OBSERVED, STRATEGIES, TARGET_STRATEGIES  # noqa: E402
+from tests.difftest.check import OBSERVED, ROUNDING, STRATEGIES, TARGET_STRATEGIES  # noqa: E402
 from tests.difftest.generator import generate  # noqa: E402
 from tests.difftest.runner import run_pack  # noqa: E402
 
@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             "target": a.target or "cpu", "observed": OBSERVED,
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "failures": failures[:200],
+            "rounding_only": ROUNDING[:200],
             "o0_only_mismatches": unconfirmed[:50], "ops_per_family": dict(families.most_common()),
             "args": vars(a)}
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)

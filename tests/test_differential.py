@@ -96,6 +96,101 @@ def test_compare_names_the_leaf():
     assert "int32" in compare(ref, {"a": jnp.ones(3), "n": jnp.ones(3)}, 1e-6)[0]
 
 
+def _control_flow(w, x):
+    """Every sub-program the oracle walks into: nested jit, checkpoint, custom_jvp (relu),
+    custom_vjp, scan, while and cond."""
+    @jax.custom_vjp
+    def clip_grad(h):
+        return h
+
+    clip_grad.defvjp(lambda h: (h, None), lambda _, g: (jnp.clip(g, -1.0, 1.0),))
+
+    def loss(w):
+        h = jax.jit(lambda h: jnp.tanh(h @ w))(x)
+        h = jax.checkpoint(lambda h: jax.nn.relu(h) * 2.0)(h)
+        h = clip_grad(h)
+        h, ys = lax.scan(lambda c, r: (c * 0.5 + r, jnp.sin(c)), h[0], h)
+        n = lax.while_loop(lambda s: s[0] < 3, lambda s: (s[0] + 1, s[1] * 1.5), (0, 1.0))[1]
+        h = lax.cond(jnp.sum(h) > 0, lambda h: h * n, lambda h: -h, h)
+        return jnp.sum(h ** 2) + jnp.sum(ys ** 2)
+    v, g = jax.value_and_grad(loss)(w)
+    return w - 0.1 * g, v
+
+
+def test_oracle_walks_every_sub_program():
+    from tests.difftest import oracle
+
+    closed = jax.make_jaxpr(_control_flow)(W, X)
+    names = {e.primitive.name for e in closed.jaxpr.eqns}
+    assert {"jit", "scan", "while", "cond"} <= names
+    got = oracle.evaluate(closed, W, X)
+    want = jax.tree_util.tree_leaves(jax.jit(_control_flow)(W, X))
+    assert len(got) == len(want)
+    for g, r in zip(got, want, strict=True):
+        assert jnp.allclose(g, r, rtol=1e-5, atol=1e-6)
+
+
+def test_oracle_finds_the_rewrite_bitwise_equal_and_a_wrong_one_not():
+    """What the check leans on: jaxmem's rewrite evaluated op by op is the user's program
+    bit for bit; a rewrite that recomputes one value wrongly (sin for tanh) is not."""
+    from tests.difftest import oracle
+
+    opt = jaxmem.optimize(_step, donate_argnums=(), verify=False)  # the plan, kept or not
+    assert opt.plan(W, X).recompute, "the step must have something recomputed"
+    rewritten = opt.trace(W, X).jaxpr
+    original = jax.make_jaxpr(_step)(W, X)
+    ref = oracle.evaluate(original, W, X)
+    got = oracle.evaluate(rewritten, W, X)
+    assert all(oracle.bitwise(jnp.asarray(r), jnp.asarray(g))
+               for r, g in zip(ref, got, strict=True))
+    eqns = list(rewritten.jaxpr.eqns)
+    k = max(i for i, e in enumerate(eqns) if e.primitive is lax.tanh_p)  # a backward recompute
+    eqns[k] = eqns[k].replace(primitive=lax.sin_p)
+    wrong = rewritten.replace(jaxpr=rewritten.jaxpr.replace(eqns=eqns))
+    bad = oracle.evaluate(wrong, W, X)
+    assert not all(oracle.bitwise(jnp.asarray(r), jnp.asarray(g))
+                   for r, g in zip(ref, bad, strict=True))
+
+
+def test_check_counts_rounding_only_where_the_oracle_says_so(monkeypatch):
+    """A compiled difference outside the tolerance is a mismatch only if the programs differ
+    op by op: with the compiled outputs perturbed (as XLA's rounding would), the check
+    records rounding; with the rewritten program made wrong, a mismatch."""
+    from tests.difftest import check as chk
+
+    case = regressions.CASES[1][0]
+    step, states, batches = pack([case])
+    args = (states, batches)
+    real = jaxmem.Optimized.__call__
+
+    def nudged(self, *a, **k):  # every float leaf one part in 1e3 off: outside f32's 2e-5
+        return jax.tree.map(lambda x: x * (1 + 1e-3) if jnp.issubdtype(x.dtype, jnp.floating)
+                            else x, real(self, *a, **k))
+
+    monkeypatch.setattr(jaxmem.Optimized, "__call__", nudged)
+    before = chk.OBSERVED["rounding_only"]
+    assert chk.check(step, args, "auto") == []
+    assert chk.OBSERVED["rounding_only"] > before
+    assert chk.ROUNDING[-1]["strategy"] == "auto"
+
+    real_trace = jaxmem.Optimized.trace
+
+    def wrong_trace(self, *a, **k):  # the program the oracle is shown computes something else
+        traced = real_trace(self, *a, **k)
+        closed = traced.jaxpr
+        eqns = [e.replace(primitive=lax.sin_p) if e.primitive is lax.tanh_p else e
+                for e in closed.jaxpr.eqns]
+
+        class _T:
+            jaxpr = closed.replace(jaxpr=closed.jaxpr.replace(eqns=eqns))
+        return _T()
+
+    monkeypatch.setattr(jaxmem.Optimized, "trace", wrong_trace)
+    found = chk.check(step, args, "auto")
+    assert found and all(f.kind == "mismatch" for f in found)
+    assert any("op by op too" in f.detail for f in found)
+
+
 def test_ddmin_finds_a_minimal_failing_subset():
     assert ddmin(list(range(16)), lambda xs: 3 in xs and 11 in xs) == [3, 11]
     assert ddmin(list("abcdef"), lambda xs: "e" in xs) == ["e"]
