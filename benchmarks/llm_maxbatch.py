@@ -22,7 +22,6 @@ import argparse
 import json
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +29,9 @@ import jax
 
 import jaxmem
 from benchmarks import zoo
+from benchmarks.maxbatch import DONATE, plan_under
 from benchmarks.zoo.maxtext_presets import PRESETS
 from jaxmem import measure
-
-DONATE = (0,)
-
 
 CHUNK_LOSS = 0  # --chunk-loss: the zoo Llama's loss by jaxmem.chunked_cross_entropy
 
@@ -53,13 +50,9 @@ def peak_of(variant: str, size: str, batch: int, target: str, budget: int,
     """Compiled peak (None: jaxmem raised BudgetError) and a note."""
     if variant == "jaxmem":
         w, args = _args(size, batch, None, target, layers)
-        step = jaxmem.optimize(w.step, budget=budget, donate_argnums=DONATE)
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                plan = step.plan(*args)
-        except jaxmem.BudgetError as e:
-            return None, f"BudgetError (minimum {measure.fmt_bytes(e.minimum_bytes)})"
+        _, plan, error = plan_under(w.step, args, budget)
+        if error is not None:
+            return None, f"BudgetError (minimum {measure.fmt_bytes(error.minimum_bytes)})"
         return plan.compiled.peak, "; ".join(n for n in plan.notes if "scan bodies" in n)
     w, args = _args(size, batch, None if variant == "plain" else PRESETS[variant], target,
                     layers)

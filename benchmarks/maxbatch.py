@@ -52,6 +52,19 @@ BUILTIN = {
 }
 
 
+def plan_under(fn: Callable[..., Any], args: Any, budget: int
+               ) -> tuple[jaxmem.Optimized, Any, jaxmem.BudgetError | None]:
+    """``jaxmem.optimize(fn, budget=budget)`` (state donated) planned for ``args``:
+    ``(optimized step, plan, None)``, or ``(optimized step, None, the BudgetError)``."""
+    step = jaxmem.optimize(fn, budget=budget, donate_argnums=DONATE)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return step, step.plan(*args), None
+    except jaxmem.BudgetError as e:
+        return step, None, e
+
+
 @dataclasses.dataclass
 class Search:
     """The outcome of one batch search: ``batch`` fits, ``too_big`` does not (None: capped)."""

@@ -30,7 +30,6 @@ import json
 import statistics
 import sys
 import time
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -39,12 +38,11 @@ import jax
 
 import jaxmem
 from benchmarks import zoo
-from benchmarks.maxbatch import Search, search
+from benchmarks.maxbatch import DONATE, Search, plan_under, search
 from benchmarks.zoo.maxtext_presets import PRESETS
 from jaxmem import measure
 from jaxmem.losses import logits_notes
 
-DONATE = (0,)
 DEFAULT_OUT = Path("results/scan_plans")
 
 
@@ -68,13 +66,9 @@ def with_jaxmem(name: str, size: str, batch: int, budget: int, target: str = "cp
     """Peak, FLOPs and scan-body notes of ``jaxmem.optimize(step, budget=budget)``; the
     lowest peak found (above the budget) when planning raises BudgetError."""
     w, args = _args(name, size, batch, None, target)
-    step = jaxmem.optimize(w.step, budget=budget, donate_argnums=DONATE)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            plan = step.plan(*args)
-    except jaxmem.BudgetError as e:
-        return max(e.minimum_bytes, budget + 1), float("nan"), "BudgetError"
+    step, plan, error = plan_under(w.step, args, budget)
+    if error is not None:
+        return max(error.minimum_bytes, budget + 1), float("nan"), "BudgetError"
     entry = step._prepare(args, {})[0]  # noqa: SLF001
     flops = measure.count_flops(entry.jitted, *jax.tree_util.tree_leaves(args))
     notes = "; ".join(n for n in plan.notes if n.startswith("scan bodies"))
