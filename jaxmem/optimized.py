@@ -317,8 +317,9 @@ class Optimized:
         if self.budget is None and self.remat_scans is True and self.strategy != "none" \
                 and self.verify:
             lean = auto_choice(self, fn, dyn_args, kwargs)
-        program = structure.label(self._trace(
-            fn, dyn_args, kwargs, body.policy if body else lean[0] if lean else None))
+        program, loop_plans = self._trace(
+            fn, dyn_args, kwargs, body.policy if body else lean[0] if lean else None)
+        program = structure.label(program)
         analysis = from_program(program)
         flat = jax.tree_util.tree_leaves((dyn_args, kwargs))
         platform = targets.platform_of(flat) or jax.default_backend()
@@ -343,7 +344,8 @@ class Optimized:
             stream_state = False
         else:
             plan, compiled, stream_state = self._make_plan(analysis, jit_plan, plain, dyn_args,
-                                                           kwargs, donated, platform, body)
+                                                           kwargs, donated, platform, body,
+                                                           loop_plans)
             plan = dataclasses.replace(plan, notes=plan.notes + (lean[1] if lean else ()))
             if key:
                 plan_cache.store(key, plan)
@@ -373,10 +375,12 @@ class Optimized:
 
     def _make_plan(self, analysis: Analysis, jit_plan: Callable[[Plan], Any], plain: Any,
                    dyn_args: tuple[Any, ...], kwargs: dict[str, Any], donated: tuple[int, ...],
-                   platform: str, body: Any = None) -> tuple[Plan, Any, bool]:
+                   platform: str, body: Any = None, loop_plans: tuple[Any, ...] = ()
+                   ) -> tuple[Plan, Any, bool]:
         """Plan the step (compiling candidates on its target); the chosen plan's executable
         when one was compiled on the way; whether the optimizer state streams from host
-        memory (``offload_state``)."""
+        memory (``offload_state``). ``loop_plans``: the plans of loop and shard_map bodies
+        planned as steps of their own (:meth:`_trace`)."""
         program, flat = analysis.program, jax.tree_util.tree_leaves((dyn_args, kwargs))
         compiled, exes, plain_figures = None, {}, {}
 
@@ -393,7 +397,7 @@ class Optimized:
                 plain_figures[None] = _read(exe, plain, flat)
             return plain_figures[None]
 
-        plan = dataclasses.replace(self._first_plan(analysis), donated=donated)
+        plan = dataclasses.replace(self._first_plan(analysis, loop_plans), donated=donated)
         planning = program.has_backward and self.strategy != "none"
         # "auto": only where a budget needs it (state_offload.with_budget decides)
         stream_state = self.offload_state is not False and self.offload_state != "auto"
@@ -436,10 +440,11 @@ class Optimized:
         return plan, compiled, stream_state
 
     def _trace(self, fn: Callable[..., Any], dyn_args: tuple[Any, ...],
-               kwargs: dict[str, Any], policy: Any = None) -> Program:
-        """The step's program; scan bodies under jax.checkpoint(policies.utility) when
-        ``remat_scans`` (the joint rewrite keeps a scan whole), or under ``policy`` (or the
-        policy ``remat_scans`` is)."""
+               kwargs: dict[str, Any], policy: Any = None) -> tuple[Program, tuple[Any, ...]]:
+        """The step's program, and the plans of the loop and shard_map bodies planned as
+        steps of their own on the way; scan bodies under jax.checkpoint(policies.utility)
+        when ``remat_scans`` (the joint rewrite keeps a scan whole), or under ``policy`` (or
+        the policy ``remat_scans`` is)."""
         if self.remat_scans and self.strategy != "none":
             policy = policy or (utility if self.remat_scans is True else self.remat_scans)
             bodies = TrainBodies(lambda body: Optimized(  # gradient-accumulation loops
@@ -449,15 +454,16 @@ class Optimized:
                 program = trace(fn, *dyn_args, **kwargs)
             sharded = BodyPlanner(self.max_recompute_fraction, self.verify)  # shard_map DP
             program = plan_bodies(program, sharded)
-            self._loop_plans = tuple(bodies.plans) + tuple(sharded.plans)
-            if program.has_backward or self._loop_plans:
-                return program
-        return trace(fn, *dyn_args, **kwargs)  # nothing differentiated: trace it untouched
+            loop_plans = tuple(bodies.plans) + tuple(sharded.plans)
+            if program.has_backward or loop_plans:
+                return program, loop_plans
+        return trace(fn, *dyn_args, **kwargs), ()  # nothing differentiated: trace it untouched
 
-    def _first_plan(self, analysis: Analysis) -> Plan:
-        """MEDL's auto plan, or keep everything (``strategy="none"``, no backward pass)."""
-        if not analysis.program.has_backward and getattr(self, "_loop_plans", ()):
-            return loop_plan(analysis, self._loop_plans)
+    def _first_plan(self, analysis: Analysis, loop_plans: tuple[Any, ...] = ()) -> Plan:
+        """MEDL's auto plan, or keep everything (``strategy="none"``, no backward pass); a
+        step whose only backward passes are in loop bodies runs their ``loop_plans``."""
+        if not analysis.program.has_backward and loop_plans:
+            return loop_plan(analysis, loop_plans)
         if not analysis.program.has_backward:
             if not self._warned_no_backward:
                 warnings.warn(f"jaxmem.optimize: {_why_unplanned(self.fn, analysis)}; running "
