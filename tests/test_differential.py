@@ -72,6 +72,29 @@ def test_generated_budgets_hold_on_the_h100_target():
     assert OBSERVED["budget_met"] + OBSERVED["budget_error"] == before + 1
 
 
+def test_long_run_resumes_only_on_the_same_code_and_options(tmp_path, monkeypatch):
+    """``--resume`` continues a summary (seeds, counts, segments) and refuses another
+    program: changed options, or code whose fingerprint is not the summary's."""
+    from benchmarks import differential
+    from tests.difftest.runner import Result
+
+    monkeypatch.setattr(differential, "run_pack", lambda cases, chosen, **kw: [
+        Result([c.seed for c in cases], s, [], 0.0) for s in chosen])
+    out = str(tmp_path / "run.json")
+    base = ["--start", "50", "--pack-size", "3", "--max-ops", "2", "--out", out]
+    assert differential.main([*base, "--count", "3"]) == 0
+    assert differential.main([*base, "--count", "6", "--resume"]) == 0
+    summary = json.loads(Path(out).read_text())
+    assert summary["steps"] == 6 and summary["seeds"] == [50, 55]
+    assert summary["checks_per_strategy"] == {"auto": 3, "budget": 3}  # rotation went on
+    assert [s["from_step"] for s in summary["segments"]] == [0, 3]
+    with pytest.raises(SystemExit, match="--max-ops was 2"):
+        differential.main([*base[:-4], "--max-ops", "3", "--out", out, "--resume"])
+    monkeypatch.setattr(differential, "code_fingerprint", lambda: "0" * 16)
+    with pytest.raises(SystemExit, match="checked on code"):
+        differential.main([*base, "--count", "9", "--resume"])
+
+
 def test_generator_is_deterministic_and_covers_every_family():
     assert generate(123) == generate(123)
     seen = {op.family for s in range(400) for op in generate(s).ops}
