@@ -356,8 +356,9 @@ def test_dropout_masks_are_kept_narrow():
     flat = jax.tree.leaves(w.args)
     ref = jax.jit(w.step)(*w.args)
     figs = {}
-    for pin in (True, False):
+    for pin in (True, False):  # one compile each, jaxmem's way: its figures, and what runs
         fn = rewrite(prog, plan.recompute, plan.offload, residuals, keep_narrow=pin)
-        assert_same(jax.tree.leaves(ref), jax.jit(fn)(*flat))
-        figs[pin] = measure.figures(measure.compile(jax.jit(fn).lower(*flat)))
+        exe = measure.compile(jax.jit(fn).lower(*flat))
+        assert_same(jax.tree.leaves(ref), exe(*flat))
+        figs[pin] = measure.figures(exe)
     assert figs[True].temp < figs[False].temp, figs
