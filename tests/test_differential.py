@@ -120,8 +120,9 @@ def test_compare_names_the_leaf():
 
 
 def _control_flow(w, x):
-    """Every sub-program the oracle walks into: nested jit, checkpoint, custom_jvp (relu),
-    custom_vjp, scan, while and cond."""
+    """Every sub-program the oracle walks into: nested jit, checkpoint (remat2), custom_jvp
+    (relu), scan, while and cond; and a custom_vjp, whose forward and backward the
+    differentiated program holds inline."""
     @jax.custom_vjp
     def clip_grad(h):
         return h
@@ -145,7 +146,7 @@ def test_oracle_walks_every_sub_program():
 
     closed = jax.make_jaxpr(_control_flow)(W, X)
     names = {e.primitive.name for e in closed.jaxpr.eqns}
-    assert {"jit", "scan", "while", "cond"} <= names
+    assert {"jit", "remat2", "custom_jvp_call", "scan", "while", "cond"} <= names
     got = oracle.evaluate(closed, W, X)
     want = jax.tree_util.tree_leaves(jax.jit(_control_flow)(W, X))
     assert len(got) == len(want)
