@@ -311,14 +311,18 @@ class Optimized:
                kwargs: dict[str, Any], static_kw: dict[str, Any], leaf_static: Any) -> _Entry:
         fn = self._bound(args, static, static_kw, leaf_static)
         body = None  # a budget picks the scan bodies' policy too (jaxmem.budget.scans)
-        if self.budget is not None and self.remat_scans is True and self.strategy != "none":
-            body = choose_for(self, fn, dyn_args, kwargs)
         lean = None  # no budget: a leaner body policy within the FLOP cap, compile-checked
-        if self.budget is None and self.remat_scans is True and self.strategy != "none" \
-                and self.verify:
-            lean = auto_choice(self, fn, dyn_args, kwargs)
-        program, loop_plans = self._trace(
-            fn, dyn_args, kwargs, body.policy if body else lean[0] if lean else None)
+        program, loop_plans = self._trace(fn, dyn_args, kwargs)
+        # Only a step that scans can have a body policy to choose: the choice traces the
+        # step again under each candidate, so a step without a scan skips it (one trace).
+        if self.remat_scans is True and self.strategy != "none" and _scans(program.jaxpr.jaxpr):
+            if self.budget is not None:
+                body = choose_for(self, fn, dyn_args, kwargs)
+            elif self.verify:
+                lean = auto_choice(self, fn, dyn_args, kwargs)
+            if body or lean:
+                program, loop_plans = self._trace(
+                    fn, dyn_args, kwargs, body.policy if body else lean[0])
         program = structure.label(program)
         analysis = from_program(program)
         flat = jax.tree_util.tree_leaves((dyn_args, kwargs))
@@ -667,6 +671,12 @@ def _why_unplanned(fn: Any, analysis: Analysis) -> str:
                 "memory there, wrap the loss inside the body in jaxmem.checkpoint)")
     return (f"{name} has no backward pass (no jax.grad inside, or no parameter reaches the "
             "loss)")
+
+
+def _scans(jaxpr: Any) -> bool:
+    """Whether ``jaxpr`` (or any program nested in it) has a ``scan``."""
+    return any(e.primitive.name == "scan" or any(_scans(s) for s in _jax.sub_jaxprs(e))
+               for e in jaxpr.eqns)
 
 
 def _rewrite_key(plan: Plan) -> Any:

@@ -86,3 +86,29 @@ def test_progress_is_logged(caplog):
         run = plan_cache.progress(lambda: None, "budget search", after_s=-1.0)
         run()
     assert "budget search: compile 1" in caplog.text
+
+
+def test_a_step_without_scans_is_traced_once_per_plan(tmp_path):
+    """The step's Python runs once to trace its program (and once more for the plain step
+    the plan is verified against); a cache hit traces it once. A scan-body choice, which
+    traces the step under each body policy, is skipped when the step has no scan."""
+    from benchmarks import zoo
+
+    w = zoo.make("mlp", size="test")
+    traces = []
+
+    def counted(state, batch):
+        traces.append(1)
+        return w.step(state, batch)
+
+    def state():  # the step donates its state
+        return jax.tree.map(jnp.copy, w.state)
+
+    plan_cache.set_dir(tmp_path)
+    first = jaxmem.optimize(counted)
+    first(state(), w.batch)
+    assert first.plan(state(), w.batch).recompute  # the plan runs, not the plain step
+    assert len(traces) == 2  # the program, and plain jax.jit for the verifying compile
+    traces.clear()
+    jaxmem.optimize(counted)(state(), w.batch)  # a new object: a plan cache hit
+    assert len(traces) == 1
