@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeat", type=int, default=1, help="runs of each; the median is kept")
     args = ap.parse_args(argv)
     runs: dict[str, list[dict[str, float]]] = {"plain": [], "cold": [], "warm": []}
+    load = os.getloadavg()  # the other work on the machine: wall and CPU time swing with it
     for _ in range(args.repeat):
         with tempfile.TemporaryDirectory() as d:
             runs["plain"].append(_run("plain", args.model, args.size, d))
@@ -76,7 +77,8 @@ def main(argv: list[str] | None = None) -> dict:
               "cpu_seconds": cpu, "cold_over_plain": med["cold"] / med["plain"],
               "warm_over_plain": med["warm"] / med["plain"],
               "cold_cpu_over_plain": cpu["cold"] / cpu["plain"],
-              "warm_cpu_over_plain": cpu["warm"] / cpu["plain"], "runs": runs}
+              "warm_cpu_over_plain": cpu["warm"] / cpu["plain"], "runs": runs,
+              "load_average": load, "cpu_count": os.cpu_count()}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "first_call.json").write_text(json.dumps(result, indent=2) + "\n")
     rows = [("`jax.jit`", "plain"), ("`jaxmem.optimize`, cold plan cache", "cold"),
@@ -88,7 +90,8 @@ def main(argv: list[str] | None = None) -> dict:
     (RESULTS / "first_call.md").write_text(
         f"{args.model} ({args.size}), median of {args.repeat} run(s), each in a fresh "
         f"process: `python -m benchmarks.first_call --model {args.model} --size {args.size} "
-        f"--repeat {args.repeat}`\n\n" + md)
+        f"--repeat {args.repeat}`; {os.cpu_count()} CPUs, load average "
+        f"{load[0]:.1f} at the start\n\n" + md)
     print(md)
     return result
 

@@ -475,3 +475,53 @@ def checkpointed_scan_bodies(policy: Any, plan_body: Any = None) -> Iterator[Non
             yield
         finally:
             jax.lax.scan, loops.scan = original, original_loops
+
+
+_GRAD_PATCH_LOCK = __import__("threading").RLock()
+
+
+@contextlib.contextmanager
+def checkpointed_losses(policy: Any) -> Iterator[list[str]]:
+    """While tracing, differentiate every loss under ``jax.checkpoint(policy=policy)``.
+
+    What a user does by hand to save memory without editing the model: ``jax.value_and_grad
+    (jax.checkpoint(loss, policy=...))``. A train step already calls ``jax.value_and_grad``
+    (or ``jax.grad``; flax nnx, equinox and optax-style steps do so through them), so for the
+    duration of one trace this swaps the two for wrappers that differentiate the loss under
+    ``jax.checkpoint`` instead, under a lock, and always restores them. Only a
+    differentiation started outside any other is wrapped (a gradient taken inside the loss is
+    left alone). Yields the names of the losses wrapped: empty when the step calls neither
+    (``jax.vjp`` by hand), so the trace is the plain step's.
+    """
+    import functools
+
+    wrapped: list[str] = []
+    originals = {"grad": jax.grad, "value_and_grad": jax.value_and_grad}
+    depth = [0]  # inside a wrapped differentiation: its loss's own gradients stay as written
+
+    def wrap(orig: Any) -> Any:
+        @functools.wraps(orig)
+        def transform(fun: Any, *args: Any, **kwargs: Any) -> Any:
+            plain = orig(fun, *args, **kwargs)
+            remat = orig(jax.checkpoint(fun, policy=policy), *args, **kwargs)
+
+            @functools.wraps(plain)
+            def call(*a: Any, **k: Any) -> Any:
+                if depth[0] or under_differentiation():
+                    return plain(*a, **k)
+                wrapped.append(getattr(fun, "__name__", type(fun).__name__))
+                depth[0] += 1
+                try:
+                    return remat(*a, **k)
+                finally:
+                    depth[0] -= 1
+            return call
+        return transform
+
+    with _GRAD_PATCH_LOCK:
+        jax.grad, jax.value_and_grad = (wrap(originals["grad"]),
+                                        wrap(originals["value_and_grad"]))
+        try:
+            yield wrapped
+        finally:
+            jax.grad, jax.value_and_grad = originals["grad"], originals["value_and_grad"]

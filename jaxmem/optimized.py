@@ -48,6 +48,9 @@ from jaxmem.shard_map import BodyPlanner, plan_bodies
 from jaxmem.tags import offload_tagged, offload_tags_out_of_reach
 
 STRATEGIES = ("auto", "none")
+#: The built-in policy the automatic mode compiles as a candidate of its own, on the whole
+#: loss: what users of every JAX library can do without editing the model.
+LOSS_POLICY = "dots_saveable"
 
 
 class Lowered:
@@ -311,14 +314,18 @@ class Optimized:
                kwargs: dict[str, Any], static_kw: dict[str, Any], leaf_static: Any) -> _Entry:
         fn = self._bound(args, static, static_kw, leaf_static)
         body = None  # a budget picks the scan bodies' policy too (jaxmem.budget.scans)
-        if self.budget is not None and self.remat_scans is True and self.strategy != "none":
-            body = choose_for(self, fn, dyn_args, kwargs)
         lean = None  # no budget: a leaner body policy within the FLOP cap, compile-checked
-        if self.budget is None and self.remat_scans is True and self.strategy != "none" \
-                and self.verify:
-            lean = auto_choice(self, fn, dyn_args, kwargs)
-        program, loop_plans = self._trace(
-            fn, dyn_args, kwargs, body.policy if body else lean[0] if lean else None)
+        program, loop_plans = self._trace(fn, dyn_args, kwargs)
+        # Only a step that scans can have a body policy to choose: the choice traces the
+        # step again under each candidate, so a step without a scan skips it (one trace).
+        if self.remat_scans is True and self.strategy != "none" and _scans(program.jaxpr.jaxpr):
+            if self.budget is not None:
+                body = choose_for(self, fn, dyn_args, kwargs)
+            elif self.verify:
+                lean = auto_choice(self, fn, dyn_args, kwargs)
+            if body or lean:
+                program, loop_plans = self._trace(
+                    fn, dyn_args, kwargs, body.policy if body else lean[0])
         program = structure.label(program)
         analysis = from_program(program)
         flat = jax.tree_util.tree_leaves((dyn_args, kwargs))
@@ -330,7 +337,12 @@ class Optimized:
         def jit_plan(p: Plan) -> Any:
             return jax.jit(apply(program, p), donate_argnums=donate_flat, **self.jit_kwargs)
 
-        plain = self._plain(fn, jax.tree_util.tree_structure((dyn_args, kwargs)), donate_flat)
+        in_tree = jax.tree_util.tree_structure((dyn_args, kwargs))
+        plain = self._plain(fn, in_tree, donate_flat)
+
+        def loss_ckpt(policy: str = LOSS_POLICY) -> tuple[Any, list[str]]:
+            return self._loss_checkpointed(fn, in_tree, donate_flat, policy)
+
         planning = program.has_backward and self.strategy != "none"
         # The plan cache holds plans; a step that streams its state from host memory decides
         # that per call of the budget search, so it is planned afresh.
@@ -345,7 +357,7 @@ class Optimized:
         else:
             plan, compiled, stream_state = self._make_plan(analysis, jit_plan, plain, dyn_args,
                                                            kwargs, donated, platform, body,
-                                                           loop_plans)
+                                                           loop_plans, loss_ckpt)
             plan = dataclasses.replace(plan, notes=plan.notes + (lean[1] if lean else ()))
             if key:
                 plan_cache.store(key, plan)
@@ -354,7 +366,7 @@ class Optimized:
         nothing = (self.budget is not None and not (plan.recompute or plan.offload)
                    and body is None and not plan.inner)
         jitted = (plain if (plan.strategy == "none" and body is None) or nothing
-                  else jit_plan(plan))
+                  else loss_ckpt(plan.loss_policy)[0] if plan.loss_policy else jit_plan(plan))
         host_state: tuple[int, ...] = ()
         if stream_state:
             jitted, info = state_offload.wrap(jitted, program, (dyn_args, kwargs), flat,
@@ -375,12 +387,15 @@ class Optimized:
 
     def _make_plan(self, analysis: Analysis, jit_plan: Callable[[Plan], Any], plain: Any,
                    dyn_args: tuple[Any, ...], kwargs: dict[str, Any], donated: tuple[int, ...],
-                   platform: str, body: Any = None, loop_plans: tuple[Any, ...] = ()
+                   platform: str, body: Any = None, loop_plans: tuple[Any, ...] = (),
+                   loss_ckpt: Callable[[], tuple[Any, list[str]]] | None = None
                    ) -> tuple[Plan, Any, bool]:
         """Plan the step (compiling candidates on its target); the chosen plan's executable
         when one was compiled on the way; whether the optimizer state streams from host
         memory (``offload_state``). ``loop_plans``: the plans of loop and shard_map bodies
-        planned as steps of their own (:meth:`_trace`)."""
+        planned as steps of their own (:meth:`_trace`). ``loss_ckpt()``: the step with its
+        loss under ``jax.checkpoint`` of the built-in policy (:meth:`_loss_checkpointed`),
+        one more candidate of the automatic mode."""
         program, flat = analysis.program, jax.tree_util.tree_leaves((dyn_args, kwargs))
         compiled, exes, plain_figures = None, {}, {}
 
@@ -433,7 +448,8 @@ class Optimized:
                                                     jit_plan(plan) if plan.inner else None)
         plan = dataclasses.replace(plan, notes=plan.notes + logits_notes(analysis))
         if (self.verify and self.budget is None and plan.recompute and not plan.offload):
-            plan, compiled = self._verified(plan, analysis, jit_plan, plain, dyn_args, kwargs)
+            plan, compiled = self._verified(plan, analysis, jit_plan, plain, dyn_args, kwargs,
+                                            loss_ckpt)
         elif self.verify and self.budget is None and plan.offload:
             plan, compiled = self._verified_offload(plan, analysis, jit_plan, plain, flat,
                                                     platform)
@@ -525,7 +541,8 @@ class Optimized:
                 "body in jaxmem.checkpoint(body, budget=..., offload=True).", stacklevel=5)
 
     def _verified(self, plan: Plan, analysis: Analysis, jit_plan: Callable[[Plan], Any],
-                  plain: Any, dyn_args: tuple[Any, ...], kwargs: dict[str, Any]
+                  plain: Any, dyn_args: tuple[Any, ...], kwargs: dict[str, Any],
+                  loss_ckpt: Callable[[], tuple[Any, list[str]]] | None = None
                   ) -> tuple[Plan, Any]:
         """Compile the auto strategy's candidates and the plain step on the arguments'
         target; keep the lowest peak, and return its executable with it (the first call
@@ -534,8 +551,12 @@ class Optimized:
         The candidates (:func:`jaxmem.strategies.auto_candidates`) drop the same kind of
         values but group their re-creation differently (per layer, per block, per block
         with every cheap value): which one XLA keeps least of depends on the compiler, so
-        the compiler the step is for decides. If none beats the plain step's compiled peak,
-        the plain step is kept, with a warning and a note in the plan.
+        the compiler the step is for decides. One more candidate is the built-in policy
+        itself: the step traced with its loss differentiated under
+        ``jax.checkpoint(policy=dots_saveable)`` (``loss_ckpt``), what a user does without
+        editing the model; so the automatic plan is never above it on the step's compiler.
+        If none beats the plain step's compiled peak, the plain step is kept, with a warning
+        and a note in the plan.
         """
         flat = jax.tree_util.tree_leaves((dyn_args, kwargs))
         variants = [dataclasses.replace(p, donated=plan.donated) for p in
@@ -545,10 +566,26 @@ class Optimized:
             variants += bodies_only(analysis, plan.donated)
         variants = variants or [plan]
         jitted_all = [plain] + [jit_plan(p) for p in variants]
+        thunks = [functools.partial(j.lower, *flat) for j in jitted_all]
+        skipped: tuple[str, ...] = ()
+        if loss_ckpt is not None:
+            loss_jit, wrapped = loss_ckpt()
+            try:
+                loss_lowered = loss_jit.lower(*flat)
+            except Exception as e:  # noqa: BLE001 - jax.checkpoint cannot take this loss
+                skipped = (f"jax.checkpoint(loss, policy={LOSS_POLICY}) not compiled: "
+                           f"{type(e).__name__}: {str(e).splitlines()[0][:160]}",)
+            else:
+                if wrapped:  # the step differentiates a loss (jax.grad / value_and_grad)
+                    variants = [*variants, dataclasses.replace(
+                        strategies.plan_none(analysis), donated=plan.donated,
+                        strategy=f"jax.checkpoint(loss, policy={LOSS_POLICY})",
+                        loss_policy=LOSS_POLICY)]
+                    jitted_all.append(loss_jit)
+                    thunks.append(lambda: loss_lowered)
         # Side by side in threads, for their figures only (quick_compile): the winner alone
         # is compiled in full to run.
-        lowered, exes = quick_compile.compile_all(
-            [functools.partial(j.lower, *flat) for j in jitted_all])
+        lowered, exes = quick_compile.compile_all(thunks)
         base = _read(exes[0], plain, flat)
         best, best_fig, best_i = None, None, 0
         for i, (p, jitted, exe) in enumerate(zip(variants, jitted_all[1:], exes[1:],
@@ -563,17 +600,25 @@ class Optimized:
                                                                  flat))
             if best.strategy != "auto":
                 best = dataclasses.replace(best, strategy=f"auto: {best.strategy}")
+            if best.loss_policy:  # JAX's partial evaluation chose what is recomputed
+                best = dataclasses.replace(
+                    best, recompute_flops=max(best_fig.flops - base.flops, 0.0),
+                    notes=best.notes + (
+                        f"the step runs as written, its loss differentiated under "
+                        f"jax.checkpoint(policy=jax.checkpoint_policies.{best.loss_policy}): "
+                        "it compiled lower than jaxmem's rewrites here; the residual table "
+                        "above is the step's own, JAX decides what is recomputed",))
             tried = ", ".join(p.strategy for p in variants)
             note = (f"compiled {len(variants)} candidate plan(s) for {best_fig.platform or 'cpu'}"
                     f" ({tried}); kept the lowest peak")
-            best = dataclasses.replace(best, notes=best.notes + (note,))
+            best = dataclasses.replace(best, notes=best.notes + (note,) + skipped)
             return best.with_figures(best_fig, base), best_exe
         none = dataclasses.replace(strategies.plan_none(analysis), donated=plan.donated)
         note = (f"the {plan.strategy!r} plan compiled to a peak of {fmt_bytes(best_fig.peak)}, "
                 f"not below the plain step's {fmt_bytes(base.peak)}: kept the plain step "
                 "(pass verify=False to force the plan, or try a budget)")
         warnings.warn(f"jaxmem.optimize: {note}", stacklevel=5)
-        return dataclasses.replace(none, notes=plan.notes + (note,), compiled=base,
+        return dataclasses.replace(none, notes=plan.notes + (note,) + skipped, compiled=base,
                                    baseline=base), quick_compile.finish(lowered[0], exes[0])
 
     def _verified_offload(self, plan: Plan, analysis: Analysis,
@@ -614,6 +659,26 @@ class Optimized:
     def _baseline(self, entry: _Entry, flat: list[Any]) -> Figures:
         """Plain ``jax.jit`` of the user's step, compiled the same way (same donation)."""
         return _figures(entry.plain, [state_offload.device_view(x) for x in flat])
+
+    def _loss_checkpointed(self, fn: Callable[..., Any], in_tree: Any,
+                           donate_flat: tuple[int, ...], policy: str = "dots_saveable"
+                           ) -> tuple[Any, list[str]]:
+        """``jax.jit`` of the user's step on flat inputs with every loss it differentiates
+        under ``jax.checkpoint(policy=jax.checkpoint_policies.<policy>)``
+        (:func:`jaxmem._jax.checkpointed_losses`, applied inside the traced function, so every
+        trace of it is the checkpointed one), and the names of the losses wrapped by its
+        last trace (empty: the step differentiates nothing through ``jax.grad`` /
+        ``jax.value_and_grad``, and runs as the plain step)."""
+        checkpoint_policy = getattr(jax.checkpoint_policies, policy)
+        wrapped: list[str] = []
+
+        def flat_fn(*leaves: Any) -> Any:
+            a, k = jax.tree_util.tree_unflatten(in_tree, leaves)
+            with _jax.checkpointed_losses(checkpoint_policy) as names:
+                out = fn(*a, **k)
+            wrapped[:] = names
+            return jax.tree_util.tree_leaves(out)
+        return jax.jit(flat_fn, donate_argnums=donate_flat, **self.jit_kwargs), wrapped
 
     def _plain(self, fn: Callable[..., Any], in_tree: Any, donate_flat: tuple[int, ...]) -> Any:
         def flat_fn(*leaves: Any) -> Any:
@@ -667,6 +732,12 @@ def _why_unplanned(fn: Any, analysis: Analysis) -> str:
                 "memory there, wrap the loss inside the body in jaxmem.checkpoint)")
     return (f"{name} has no backward pass (no jax.grad inside, or no parameter reaches the "
             "loss)")
+
+
+def _scans(jaxpr: Any) -> bool:
+    """Whether ``jaxpr`` (or any program nested in it) has a ``scan``."""
+    return any(e.primitive.name == "scan" or any(_scans(s) for s in _jax.sub_jaxprs(e))
+               for e in jaxpr.eqns)
 
 
 def _rewrite_key(plan: Plan) -> Any:
@@ -798,10 +869,14 @@ def optimize(fn: Callable[..., Any] | None = None, *, budget: Any = None,
         ``()`` to donate nothing (keep using the old arrays) or explicit indices.
       max_recompute_fraction: cap on the recompute FLOPs of the ``"auto"`` plan, as a
         fraction of the step's FLOPs (cheapest bytes first).
-      verify: compile the plan (and a stricter variant of it) and the plain step, keep the
+      verify: compile the automatic mode's candidate plans (the rewrite's, per layer and
+        per block: :func:`jaxmem.strategies.auto_candidates`; and the step with its loss
+        differentiated under ``jax.checkpoint(policy=dots_saveable)``, what a user can do
+        without editing the model) and the plain step on the arguments' target, keep the
         smallest; keep the plain step (with a warning and a note in the plan) if no plan's
         compiled peak is lower. This guarantees ``optimize`` is never worse than
-        ``jax.jit``, at two or three extra compiles on the first call.
+        ``jax.jit``, nor than that built-in policy on the whole loss, at one compile per
+        candidate on the first call (a plan cache hit compiles only the step).
       remat_scans: run the bodies of ``lax.scan`` (``nn.scan``/``nnx.scan`` stacks) under
         ``jax.checkpoint(policy=jaxmem.policies.utility)`` while tracing, so layers inside a
         scan save only their heavy outputs too (the joint rewrite keeps a scan whole);

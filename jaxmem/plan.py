@@ -63,6 +63,10 @@ class Plan:
     # Plans of bodies planned as steps of their own (gradient-accumulation loops, shard_map
     # bodies), in program order: part of what the step runs.
     inner: tuple[Plan, ...] = ()
+    # The step runs as traced with each loss differentiated under
+    # jax.checkpoint(policy=jax.checkpoint_policies.<loss_policy>) (optimize's candidate of
+    # the built-in policy itself, jaxmem._jax.checkpointed_losses); nothing is rewritten.
+    loss_policy: str | None = None
 
     def fingerprint(self) -> str:
         """A stable hash of what the plan makes the step do: each residual's decision (by
@@ -86,7 +90,7 @@ class Plan:
                        for c in self.choices),
                  self.region_depth, tuple(sorted(self.keep)),
                  None if so is None else (tuple(so.inputs), tuple(so.outputs)),
-                 tuple(p.fingerprint() for p in self.inner))
+                 tuple(p.fingerprint() for p in self.inner), self.loss_policy)
         return hashlib.sha256(repr(parts).encode()).hexdigest()
 
     def of(self, decision: Decision) -> tuple[Choice, ...]:

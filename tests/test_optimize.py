@@ -362,3 +362,58 @@ def test_dropout_masks_are_kept_narrow():
         assert_same(jax.tree.leaves(ref), exe(*flat))
         figs[pin] = measure.figures(exe)
     assert figs[True].temp < figs[False].temp, figs
+
+
+def test_checkpointed_losses_wraps_top_level_gradients_only():
+    """The automatic mode's built-in candidate: while tracing, a loss differentiated with
+    jax.grad / jax.value_and_grad runs under jax.checkpoint(policy); a gradient taken inside
+    the loss is left alone, and jax.grad is restored afterwards, on error too."""
+    from jaxmem import _jax
+
+    def inner(w, x):
+        return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+    def loss(w, x):  # a gradient penalty: a differentiation inside the loss
+        return inner(w, x) + jnp.sum(jax.grad(inner)(w, x) ** 2)
+
+    def step(w, x):
+        return jax.value_and_grad(loss)(w, x)
+
+    w, x = jnp.eye(4) * 0.5, jnp.ones((3, 4))
+    grad, vg = jax.grad, jax.value_and_grad
+    with _jax.checkpointed_losses(jax.checkpoint_policies.dots_saveable) as wrapped:
+        jaxpr = jax.make_jaxpr(step)(w, x)
+    assert wrapped == ["loss"]  # the outer loss only
+    assert any(e.primitive.name == "remat2" for e in jaxpr.eqns)  # the backward's recompute
+    assert (jax.grad, jax.value_and_grad) == (grad, vg)
+    want = jax.jit(step)(w, x)
+    got = jax.jit(lambda w, x: jax.core.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, w, x))(w, x)
+    for a, b in zip(jax.tree.leaves(want), got, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    with pytest.raises(ZeroDivisionError), _jax.checkpointed_losses(None):
+        raise ZeroDivisionError
+    assert (jax.grad, jax.value_and_grad) == (grad, vg)
+
+
+def test_a_loss_jax_checkpoint_cannot_take_skips_the_builtin_candidate():
+    """A loss with a Python argument (here a string) differentiates under jax.grad but not
+    under jax.checkpoint: the built-in candidate is left out with a note, the rest plans."""
+    def loss(ws, x, act):
+        f = {"tanh": jnp.tanh}[act]
+        for w in ws:
+            x = f(x @ w)
+        return jnp.mean(x ** 2)
+
+    def step(ws, x):
+        return jax.value_and_grad(loss)(ws, x, "tanh")
+
+    k = jax.random.split(jax.random.key(3), 4)
+    ws = [jax.random.normal(k[i], (128, 128)) * 0.1 for i in range(3)]
+    x = jax.random.normal(k[3], (256, 128))
+    opt = jaxmem.optimize(step, donate_argnums=())
+    want, got = jax.jit(step)(ws, x), opt(ws, x)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    notes = opt.plan(ws, x).notes
+    assert any(n.startswith("jax.checkpoint(loss, policy=dots_saveable) not compiled: "
+                            "TypeError") for n in notes), notes

@@ -7,6 +7,7 @@ import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jaxmem
@@ -86,3 +87,95 @@ def test_progress_is_logged(caplog):
         run = plan_cache.progress(lambda: None, "budget search", after_s=-1.0)
         run()
     assert "budget search: compile 1" in caplog.text
+
+
+def test_a_step_without_scans_is_traced_once_per_plan(tmp_path):
+    """The step's Python runs once to trace its program (and once more for each of the plain
+    step the plan is verified against and the built-in candidate); a cache hit traces it
+    once. A scan-body choice, which traces the step under each body policy, is skipped when
+    the step has no scan."""
+    from benchmarks import zoo
+
+    w = zoo.make("mlp", size="test")
+    traces = []
+
+    def counted(state, batch):
+        traces.append(1)
+        return w.step(state, batch)
+
+    def state():  # the step donates its state
+        return jax.tree.map(jnp.copy, w.state)
+
+    plan_cache.set_dir(tmp_path)
+    first = jaxmem.optimize(counted)
+    first(state(), w.batch)
+    assert first.plan(state(), w.batch).recompute  # the plan runs, not the plain step
+    # the program, plain jax.jit for the verifying compile, and the step with its loss under
+    # jax.checkpoint(policy=dots_saveable) (the built-in candidate)
+    assert len(traces) == 3
+    traces.clear()
+    jaxmem.optimize(counted)(state(), w.batch)  # a new object: a plan cache hit
+    assert len(traces) == 1
+
+
+def _hk_resnet_step():
+    """A haiku ResNet step (sgd with momentum, batch-norm state) whose loss under
+    jax.checkpoint(policy=dots_saveable) compiles below the plain step on CPU."""
+    import haiku as hk
+
+    def forward(x):
+        return hk.nets.ResNet(blocks_per_group=(1, 1, 1, 1), num_classes=10,
+                              bottleneck=False, channels_per_group=(16, 32, 64, 128))(
+                                  x, is_training=True)
+
+    net = hk.transform_with_state(forward)
+    x = jax.random.normal(jax.random.key(0), (2, 16, 16, 3))
+    y = jnp.array([1, 2])
+    params, hk_state = net.init(jax.random.PRNGKey(1), x)
+    tx = optax.sgd(0.1, momentum=0.9)
+
+    def loss(params, hk_state, x, y):
+        logits, hk_state = net.apply(params, hk_state, None, x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), hk_state
+
+    def step(state, x, y):
+        params, hk_state, opt_state = state
+        (value, hk_state), grads = jax.value_and_grad(loss, has_aux=True)(params, hk_state,
+                                                                           x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), hk_state, opt_state), value
+
+    return step, (params, hk_state, tx.init(params)), (x, y)
+
+
+def test_the_builtin_policy_candidate_runs_and_is_cached(tmp_path, compiles, monkeypatch):
+    """When the step with its loss under jax.checkpoint(policy=dots_saveable) compiles
+    lowest (here the rewrite's candidates are replaced by a plan that drops nothing), that
+    step runs, with jax.jit's results, and a plan cache hit runs it again without a
+    planning compile."""
+    from jaxmem import strategies
+
+    step, state0, batch = _hk_resnet_step()
+    monkeypatch.setattr(strategies, "auto_candidates",
+                        lambda a, **kw: [strategies.plan_none(a)])
+
+    def state():  # the step donates its state
+        return jax.tree.map(jnp.copy, state0)
+
+    want = jax.jit(step)(state(), *batch)
+    plan_cache.set_dir(tmp_path)
+    first = jaxmem.optimize(step)
+    got = first(state(), *batch)
+    plan = first.plan(state(), *batch)
+    assert plan.loss_policy == "dots_saveable"
+    assert plan.compiled.peak < plan.baseline.peak
+    plan_cache.clear_memory()
+    compiles.clear()
+    second = jaxmem.optimize(step)
+    again = second(state(), *batch)
+    assert len(compiles) == 1  # the cached plan's step: no planning compile
+    assert second.plan(state(), *batch).loss_policy == "dots_saveable"
+    for a, b, c in zip(jax.tree.leaves(want), jax.tree.leaves(got), jax.tree.leaves(again),
+                       strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(b, c)

@@ -8,18 +8,21 @@ candidate). Small shapes; relations between XLA's figures only.
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxmem
-from jaxmem import plan_cache, program, strategies, structure
+from jaxmem import _jax, measure, plan_cache, program, strategies, structure
 
 
 def _grad_step(loss):
     def step(params, batch):
         return jax.value_and_grad(loss)(params, batch)
+    step.loss = loss  # for the built-in policy on the whole loss, compiled beside it
     return step
 
 
@@ -117,7 +120,10 @@ def test_flax_like_names_are_left_alone():
 def test_optimize_matches_jit_and_lowers_peak_where_names_miss_layers(name, monkeypatch):
     """Same loss and gradients as jax.jit; a strictly lower peak than without the
     structure-derived layers where names do not tell layers apart, never a higher one where
-    they do (the haiku ResNet: names already give its blocks)."""
+    they do (the haiku ResNet: names already give its blocks). Never above what a user of
+    any library can do without editing the model, ``jax.value_and_grad(jax.checkpoint(loss,
+    policy=dots_saveable))``: that step is one of the automatic mode's candidates (traced
+    from the user's own), compiled the same way."""
     step, args, _ = MODELS[name]()
     want_loss, want_grads = jax.jit(step)(*args)
     opt = jaxmem.optimize(step, donate_argnums=())
@@ -125,15 +131,29 @@ def test_optimize_matches_jit_and_lowers_peak_where_names_miss_layers(name, monk
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
                  grads, want_grads)
-    after = opt.plan(*args).compiled.peak
+    plan = opt.plan(*args)
+    after = plan.compiled.peak
+    builtin = jax.jit(_grad_step(jax.checkpoint(
+        step.loss, policy=jax.checkpoint_policies.dots_saveable)))
+    assert after <= measure.compiled_figures(measure.compile(builtin.lower(*args)), builtin,
+                                             args).peak
+    tried = next(n for n in plan.notes if n.startswith("compiled "))
+    assert "jax.checkpoint(loss, policy=dots_saveable)" in tried
     # Before issue 16: name-derived layers only, and no whole-step dots_saveable candidate.
     monkeypatch.setattr(structure, "label", lambda p, force=False: p)
     candidates = strategies.auto_candidates
     monkeypatch.setattr(strategies, "auto_candidates", lambda a, **kw: [
         p for p in candidates(a, **kw) if p.region_depth != 0])
+    monkeypatch.setattr(_jax, "checkpointed_losses", _no_loss_candidate)
     plan_cache.clear_memory()  # the same program and options: plan afresh, unpatched
     before = jaxmem.optimize(step, donate_argnums=()).plan(*args).compiled.peak
     if name in NAMED:
         assert after <= before  # names already give the blocks: never worse
     else:
         assert after < before
+
+
+@contextlib.contextmanager
+def _no_loss_candidate(policy):
+    yield []  # no loss wrapped: optimize compiles no jax.checkpoint(loss) candidate
+
