@@ -672,13 +672,12 @@ class Optimized:
         checkpoint_policy = getattr(jax.checkpoint_policies, policy)
         wrapped: list[str] = []
 
-        def flat_fn(*leaves: Any) -> Any:
-            a, k = jax.tree_util.tree_unflatten(in_tree, leaves)
+        def checkpointed(*a: Any, **k: Any) -> Any:
             with _jax.checkpointed_losses(checkpoint_policy) as names:
                 out = fn(*a, **k)
             wrapped[:] = names
-            return jax.tree_util.tree_leaves(out)
-        return jax.jit(flat_fn, donate_argnums=donate_flat, **self.jit_kwargs), wrapped
+            return out
+        return self._plain(checkpointed, in_tree, donate_flat), wrapped
 
     def _plain(self, fn: Callable[..., Any], in_tree: Any, donate_flat: tuple[int, ...]) -> Any:
         def flat_fn(*leaves: Any) -> Any:
