@@ -31,6 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxmem
 from benchmarks import zoo
@@ -62,16 +65,37 @@ def _row(variant: str, compiled: Any, secs: float, capacity: int, info: Any = No
     return row
 
 
+def fsdp_sharding(mesh: Any, axis: str = "data") -> Any:
+    """``leaf -> NamedSharding`` for FSDP on ``mesh``: each leaf split over ``axis`` along
+    its largest dimension the axis size divides (the batch along its first), else
+    replicated; parameters, gradients and moments alike."""
+    n = mesh.shape[axis]
+
+    def spec(x: Any) -> Any:
+        shape = tuple(getattr(x, "shape", ()))
+        for d in sorted(range(len(shape)), key=lambda d: -shape[d]):
+            if shape[d] >= n and shape[d] % n == 0:
+                return NamedSharding(mesh, P(*([None] * d), axis))
+        return NamedSharding(mesh, P())
+    return spec
+
+
 def measure_size(size: str, target: str = "h100", seq: int = 4096, batch: int = 1,
                  layers: int | None = None, verify: bool = False, remat: bool = True,
-                 variants: tuple[str, ...] = DEFAULT) -> dict:
+                 variants: tuple[str, ...] = DEFAULT, fsdp: int = 0) -> dict:
     """Plain, jaxmem and jaxmem + state offload for one Llama size on ``target``; with
     ``remat``, also each layer under ``nn.remat(nothing_saveable)`` (MaxText's ``"full"``
-    remat policy: only layer inputs kept), plain and with the state offloaded."""
-    t = jaxmem.targets.require(target)
+    remat policy: only layer inputs kept), plain and with the state offloaded.
+
+    ``fsdp=N``: on ``N`` devices of the target, the state sharded over them
+    (:func:`fsdp_sharding`) and ``batch`` sequences per device; peaks are per device."""
+    t = jaxmem.targets.require(f"{target}:{fsdp}" if fsdp else target)
     over = dict(seq=seq) | ({} if layers is None else dict(layers=layers))
-    w = zoo.make("llama", size=size, batch=batch, abstract=True, **over)
-    args = t.place(w.args)
+    w = zoo.make("llama", size=size, batch=batch * max(fsdp, 1), abstract=True, **over)
+    if fsdp:
+        args = t.place(w.args, fsdp_sharding(Mesh(np.array(t.devices()), ("data",))))
+    else:
+        args = t.place(w.args)
     n_params = sum(x.size for x in jax.tree.leaves(w.state["params"]))
     rows = []
     for variant, mode in (("jaxmem + state", True), ("jaxmem + state + params", "all")):
@@ -100,7 +124,8 @@ def measure_size(size: str, target: str = "h100", seq: int = 4096, batch: int = 
         rows.append(_row("remat + state", ropt.lower(*args).compile(),
                          time.perf_counter() - t0, t.memory_bytes, rplan.state_offload))
     return dict(model="llama", size=size, layers=layers or w.n_blocks, params=int(n_params),
-                seq=seq, batch=batch, target=target, capacity=t.memory_bytes, rows=rows)
+                seq=seq, batch=batch, target=target, capacity=t.memory_bytes, rows=rows,
+                fsdp=fsdp)
 
 
 def _plain_row(fig: Any, capacity: int, variant: str = "plain") -> dict:
@@ -131,8 +156,12 @@ def extrapolate(a: dict, b: dict, layers: int, params: int) -> dict:
 def table(results: list[dict]) -> str:
     """Markdown: one row per size and variant."""
     h100, h200 = DeviceProfile.get("h100"), DeviceProfile.get("h200")
+    fsdp = results[0].get("fsdp", 0) if results else 0
+    where = (f"FSDP over {fsdp} H100-80GB devices (state sharded, {results[0]['batch']} "
+             "sequence(s) per device; peaks and host memory per device)" if fsdp else
+             "batch 1, the H100-80GB target")
     lines = [f"Llama decoder adam(w) train step, seq {results[0]['seq'] if results else 4096}, "
-             f"batch 1, compiled for the H100-80GB target (compile only). Host link "
+             f"{where}, compiled without the device (compile only). Host link "
              f"{h100.host_bw / 1e9:.0f} GB/s (h100 profile), {h200.host_bw / 1e9:.0f} GB/s "
              "(h200).", "",
              "| size | params | variant | device peak | fits 80 GB | host memory | "
@@ -164,13 +193,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-remat", action="store_true", help="skip the per-layer remat rows")
     ap.add_argument("--variants", default=",".join(DEFAULT),
                     help=f"comma-separated, of {', '.join(VARIANTS)} (remat: both remat rows)")
+    ap.add_argument("--fsdp", type=int, default=0,
+                    help="shard the state over N devices of the target (FSDP), one sequence "
+                         "per device; figures per device")
     ap.add_argument("--out", default=None, help="folder for results.json and results.md")
     a = ap.parse_args(argv)
     counts = [None] if a.layers is None else [int(x) for x in a.layers.split(",")]
     results = []
     for size in a.sizes.split(","):
         mine = [measure_size(size, a.target, a.seq, layers=n, verify=a.verify,
-                             remat=not a.no_remat, variants=tuple(a.variants.split(",")))
+                             remat=not a.no_remat, variants=tuple(a.variants.split(",")),
+                             fsdp=a.fsdp)
                 for n in counts]
         results += mine
         if len(mine) == 2:

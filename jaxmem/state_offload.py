@@ -79,7 +79,8 @@ class StateOffload:
       inputs: flat argument positions held in ``pinned_host`` between steps.
       outputs: flat output positions written back to ``pinned_host`` (their new values).
       names: the leaves' pytree paths (``keystr``), in ``inputs`` order.
-      nbytes: bytes of the offloaded state (what leaves the device).
+      nbytes: bytes of the offloaded state (what leaves the device); like every byte count
+        here, per device: a sharded (FSDP) leaf counts its shard.
       largest_group: bytes of the largest group fetched at once (one layer's slice, the two
         moments of one parameter).
       groups: how many groups the update was split into.
@@ -135,6 +136,27 @@ def _is_float(x: Any) -> bool:
 
 def _nbytes(x: Any) -> int:
     return int(getattr(x, "size", 0)) * getattr(getattr(x, "dtype", None), "itemsize", 0)
+
+
+def _shard_bytes(x: Any) -> int:
+    """Bytes of ``x`` on one device: its shard's under a sharding that splits it (FSDP),
+    else all of it."""
+    s = getattr(x, "sharding", None)
+    try:
+        shape = s.shard_shape(tuple(x.shape)) if s is not None else None
+    except (AttributeError, TypeError, ValueError):
+        shape = None
+    if shape is None:
+        return _nbytes(x)
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n * getattr(getattr(x, "dtype", None), "itemsize", 0)
+
+
+def _fractions(flat: Sequence[Any], inputs: Sequence[int]) -> dict[int, float]:
+    """Flat position -> the fraction of the leaf one device holds (1.0 unsharded)."""
+    return {i: _shard_bytes(flat[i]) / max(_nbytes(flat[i]), 1) for i in inputs}
 
 
 def select(program: Program, args: Any, outs: Any, mode: bool | str | Predicate
@@ -308,12 +330,13 @@ def stream(fn: Callable[..., list[Any]], avals: Sequence[Any], inputs: Sequence[
     Returns ``(new_fn, groups, largest_group_bytes, per_use_fetch_bytes)``.
     """
     window = WINDOW if window is None else max(1, int(window))
+    fractions = _fractions(avals, inputs)
     avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
              if hasattr(a, "shape") and hasattr(a, "dtype") else a for a in avals]
     program = from_jaxpr(jax.make_jaxpr(fn)(*avals))
     state = frozenset(program.inputs[i] for i in inputs)
     written = [program.outputs[j] for j in outputs]
-    params, groups, largest, per_use, again = _layout(program, inputs, outputs)
+    params, groups, largest, per_use, again = _layout(program, inputs, outputs, fractions)
     in_group = {i for g in groups for i in g.nodes}
     last = _last_gradient(program, groups)
 
@@ -364,20 +387,32 @@ def stream(fn: Callable[..., list[Any]], avals: Sequence[Any], inputs: Sequence[
     return run, len(groups), largest, per_use
 
 
-def _layout(program: Program, inputs: Sequence[int], outputs: Sequence[int]
+def _layout(program: Program, inputs: Sequence[int], outputs: Sequence[int],
+            fractions: dict[int, float] | None = None
             ) -> tuple[frozenset[int], list[_Group], int, int, dict[int, int]]:
     """``(params, groups, largest group's bytes, bytes fetched per use, reused)``: the state
     the model reads too, the update's groups, what the forward and backward fetch, and the
-    nodes that take an earlier node's outputs instead (:func:`param_offload.reuse`)."""
+    nodes that take an earlier node's outputs instead (:func:`param_offload.reuse`).
+    ``fractions`` (flat position -> share of the leaf on one device) makes the byte counts
+    per device for sharded state."""
+    frac = {program.inputs[i]: f for i, f in (fractions or {}).items()}
     state = frozenset(program.inputs[i] for i in inputs)
     params = state & param_offload.model_reads(program)
     groups = _groups(program, state, frozenset(program.outputs[j] for j in outputs), params)
     in_group = {i for g in groups for i in g.nodes}
-    largest = max((sum(program.values[s].nbytes for s in g.inputs) for g in groups), default=0)
+
+    def size(v: int) -> int:
+        return int(program.values[v].nbytes * frac.get(v, 1.0))
+
+    largest = max((sum(size(s) for s in g.inputs) for g in groups), default=0)
     params = param_offload.through_barriers(program, params) if params else params
+    for n in program.nodes:  # a barrier's output is its input's (same sharding)
+        if n.primitive == "optimization_barrier":
+            frac.update((o, frac[v]) for v, o in zip(n.inputs, n.outputs, strict=False)
+                        if v in frac)
     again = {i: j for i, j in param_offload.reuse(program, params).items()
              if i not in in_group and j not in in_group} if params else {}
-    per_use = sum(program.values[v].nbytes for n in program.nodes
+    per_use = sum(size(v) for n in program.nodes
                   if n.index not in in_group and n.index not in again
                   for v in param_offload.reads(program, n.index, params))
     return params, groups, largest, per_use, again
@@ -477,9 +512,32 @@ def wrap(jitted: Any, program: Program, args: Any, flat: Sequence[Any],
     if not inputs:
         return jitted, None
     fn, groups, largest, per_use = stream(jitted.__wrapped__, flat, inputs, outputs)
-    info = StateOffload(inputs, outputs, names, sum(_nbytes(flat[i]) for i in inputs),
+    info = StateOffload(inputs, outputs, names, sum(_shard_bytes(flat[i]) for i in inputs),
                         largest, groups, _param_bytes(program, inputs, flat), per_use)
-    return jax.jit(fn, donate_argnums=tuple(donate_flat), **jit_kwargs), info
+    return jax.jit(fn, donate_argnums=tuple(donate_flat),
+                   out_shardings=_out_shardings(program, flat, inputs, outputs),
+                   **jit_kwargs), info
+
+
+def _out_shardings(program: Program, flat: Sequence[Any], inputs: Sequence[int],
+                   outputs: Sequence[int]) -> list[Any] | None:
+    """``out_shardings`` for the streamed step: each written-back state leaf keeps its
+    input's sharding in ``pinned_host`` memory, everything else is left to the compiler
+    (None).
+
+    jax aliases a donated input to its output (``tf.aliasing_output``) only when the output's
+    sharding is given; otherwise it leaves the donation to XLA (``jax.buffer_donor``), which
+    does not alias across memory kinds. With the alias, XLA places the donated state in the
+    host memory its new value is written to, also on a compile-only topology (whose
+    shardings carry no memory kind): without it, a sharded (FSDP) state would stay on the
+    device. None when no input has a sharding (the defaults apply)."""
+    out: list[Any] = [None] * len(program.outputs)
+    for i, j in zip(inputs, outputs, strict=True):
+        s = getattr(flat[i], "sharding", None)
+        if s is None:
+            return None
+        out[j] = s.with_memory_kind("pinned_host")
+    return out
 
 
 def _out_shapes(program: Program) -> Any:
@@ -496,15 +554,16 @@ def preview(program: Program, args: Any, mode: bool | str | Predicate,
     inputs, outputs, names = select(program, args, _out_shapes(program), mode)
     if not inputs:
         return None
-    _, groups, largest, per_use, _ = _layout(program, inputs, outputs)
-    return StateOffload(inputs, outputs, names, sum(_nbytes(flat[i]) for i in inputs),
+    _, groups, largest, per_use, _ = _layout(program, inputs, outputs,
+                                             _fractions(flat, inputs))
+    return StateOffload(inputs, outputs, names, sum(_shard_bytes(flat[i]) for i in inputs),
                         largest, len(groups), _param_bytes(program, inputs, flat), per_use)
 
 
 def _param_bytes(program: Program, inputs: Sequence[int], flat: Sequence[Any]) -> int:
     """Bytes of the offloaded leaves the forward or backward pass reads (the parameters)."""
     model = param_offload.model_reads(program)
-    return sum(_nbytes(flat[i]) for i in inputs if program.inputs[i] in model)
+    return sum(_shard_bytes(flat[i]) for i in inputs if program.inputs[i] in model)
 
 
 def with_budget(search: Callable[[Any], Any], budget: Any, mode: bool | str | Predicate,
