@@ -10,12 +10,14 @@ compiles
 - **jaxmem**: ``jaxmem.optimize(step, budget=B)`` on the full-size GPU (XLA's remat has
   nothing to do there): jaxmem alone, or its ``BudgetError`` with the lowest peak it found;
 
-and records each compiled peak (``argument + output + temp - alias``) and the matmul FLOPs in
-the optimised HLO (:func:`jaxmem.measure.hlo_dot_flops`: XLA's rematerialised copies are
-counted there, which no pre-compile count can see). Compile only: nothing runs.
+and records each compiled peak (``argument + output + temp - alias``) and the matmul and
+convolution FLOPs in the optimised HLO (:func:`jaxmem.measure.hlo_dot_flops`,
+:func:`jaxmem.measure.hlo_conv_flops`: XLA's rematerialised copies are counted there, which
+no pre-compile count can see). Compile only: nothing runs.
 
     python -m benchmarks.xla_remat --target h100 --models transformer,mlp,resnet \\
         --budgets 0.9,0.8,0.7,0.6,0.5 --out benchmarks/results/xla_remat
+    python -m benchmarks.xla_remat --models resnet --merge   # redo one model, keep the rest
     python -m benchmarks.xla_remat --table benchmarks/results/xla_remat/results.json
 """
 
@@ -36,6 +38,11 @@ from benchmarks import zoo
 from jaxmem import measure
 
 
+def _flops(compiled: Any) -> float:
+    """Matmul + convolution FLOPs of the optimised HLO."""
+    return measure.hlo_dot_flops(compiled) + measure.hlo_conv_flops(compiled)
+
+
 def _compile(fn: Any, args: Any) -> tuple[Any, float]:
     t0 = time.perf_counter()
     compiled = measure.compile(fn.lower(*args))
@@ -50,7 +57,7 @@ def measure_model(name: str, target: str, budgets: list[float], size: str = "ben
     plain_fn = jax.jit(w.step, donate_argnums=0)
     compiled, secs = _compile(plain_fn, args)
     plain = measure.figures(compiled)
-    plain_dots = measure.hlo_dot_flops(compiled)
+    plain_dots = _flops(compiled)
     rows = [dict(variant="plain", budget=None, peak=plain.peak, dot_flops=plain_dots,
                  fits=True, compile_s=secs)]
     for frac in budgets:
@@ -59,7 +66,7 @@ def measure_model(name: str, target: str, budgets: list[float], size: str = "ben
         c, secs = _compile(plain_fn, small.place(w.args))
         f = measure.figures(c)
         rows.append(dict(variant="xla", budget=frac, budget_bytes=b, peak=f.peak,
-                         dot_flops=measure.hlo_dot_flops(c), fits=f.peak <= b, compile_s=secs))
+                         dot_flops=_flops(c), fits=f.peak <= b, compile_s=secs))
         t0 = time.perf_counter()
         opt = jaxmem.optimize(w.step, budget=b, donate_argnums=(0,))
         try:
@@ -71,7 +78,7 @@ def measure_model(name: str, target: str, budgets: list[float], size: str = "ben
             continue
         c = opt.lower(*args).compile()
         rows.append(dict(variant="jaxmem", budget=frac, budget_bytes=b,
-                         peak=plan.compiled.peak, dot_flops=measure.hlo_dot_flops(c),
+                         peak=plan.compiled.peak, dot_flops=_flops(c),
                          fits=plan.compiled.peak <= b, compile_s=time.perf_counter() - t0,
                          strategy=plan.strategy))
     return dict(model=name, size=size, batch=w.batch_size, target=str(t), rows=rows)
@@ -81,7 +88,8 @@ def render(data: dict) -> str:
     """Markdown: per model, one row per budget with XLA's and jaxmem's peak and matmul FLOPs."""
     out = [f"Compiled for {data['meta']['target']} without the device (`{data['meta']['command']}`,"
            f" {data['meta']['date']}, jax {data['meta']['jax']}). Peak = argument + output + "
-           "temp − alias; FLOPs = matmul FLOPs in the optimised HLO, relative to plain jit's; "
+           "temp − alias; FLOPs = matmul and convolution FLOPs in the optimised HLO (XLA's "
+           "rematerialised copies included), relative to plain jit's; "
            "✓ = within the budget.", ""]
     for m in data["models"]:
         plain = m["rows"][0]
@@ -119,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", default="bench")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/xla_remat"))
     p.add_argument("--table", type=Path, help="render this results.json and exit")
+    p.add_argument("--merge", action="store_true",
+                   help="replace these models in an existing results.json, keep the others")
     args = p.parse_args(argv)
     if args.table:
         print(render(json.loads(args.table.read_text())))
@@ -129,8 +139,13 @@ def main(argv: list[str] | None = None) -> int:
                 date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))
     data = dict(meta=meta, models=[])
     args.out.mkdir(parents=True, exist_ok=True)
+    old = args.out / "results.json"
+    if args.merge and old.exists():
+        data = json.loads(old.read_text())
+        data["meta"].setdefault("merged", []).append(meta)
     for name in args.models.split(","):
-        data["models"].append(measure_model(name, args.target, budgets, args.size))
+        row = measure_model(name, args.target, budgets, args.size)
+        data["models"] = [m for m in data["models"] if m["model"] != name] + [row]
         (args.out / "results.json").write_text(json.dumps(data, indent=2))  # keep partials
         print(render(dict(meta=meta, models=data["models"][-1:])), flush=True)
     (args.out / "table.md").write_text(render(data))

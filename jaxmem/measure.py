@@ -199,6 +199,57 @@ def hlo_dot_flops(compiled: Any) -> float:
     return total
 
 
+
+_HLO_CONV = re.compile(
+    r"=\s*\(?[a-z0-9]+\[([^\]]*)\][^=]*?\s(convolution|custom-call)\(%?([\w.\-]+),\s*%?([\w.\-]+)"
+    r".*?dim_labels=([a-z0-9]+)_([a-z0-9]+)->([a-z0-9]+)")
+_CUDNN_TARGET = re.compile(r'custom_call_target="__cudnn\$conv(\w*)"')
+
+
+def hlo_conv_flops(compiled: Any) -> float:
+    """Convolution FLOPs in a compiled program's optimised HLO: ``2 x forward output
+    elements x (kernel elements / output features)`` of every convolution, whether XLA kept
+    it as ``convolution`` (CPU) or lowered it to a cuDNN call (XLA:GPU's
+    ``__cudnn$convForward``, ``...BackwardInput`` and ``...BackwardFilter``, each as many
+    FLOPs as the forward convolution it belongs to). Fused convolution+bias+activation
+    calls count their convolution only; a loop body is counted once."""
+    text = compiled.as_text()
+    shapes: dict[str, list[int]] = {}
+    for line in text.splitlines():
+        m = _HLO_DEF.match(line)
+        if m:
+            shapes[m.group(1)] = _dims(m.group(2))
+    total = 0.0
+    for line in text.splitlines():
+        m = _HLO_CONV.search(line)
+        if not m:
+            continue
+        result = _dims("[" + m.group(1) + "]")
+        op, a, b, kernel_labels = m.group(2), m.group(3), m.group(4), m.group(6)
+        kind = "Forward"
+        if op == "custom-call":
+            t = _CUDNN_TARGET.search(line)
+            if not t:
+                continue
+            kind = t.group(1)
+        if kind == "BackwardInput":     # (d_output, kernel) -> d_input
+            out, kernel = shapes.get(a), shapes.get(b)
+        elif kind == "BackwardFilter":  # (input, d_output) -> d_kernel
+            out, kernel = shapes.get(b), result
+        else:                           # (input, kernel[, bias, ...]) -> output
+            out, kernel = result, shapes.get(b)
+        if not out or not kernel or len(kernel) != len(kernel_labels) or "o" not in kernel_labels:
+            continue
+        o = kernel[kernel_labels.index("o")]
+        n_out = 1
+        for d in out:
+            n_out *= d
+        n_k = 1
+        for d in kernel:
+            n_k *= d
+        total += 2.0 * n_out * n_k / max(o, 1)
+    return total
+
 _UNITS = [("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)]
 
 _SIZE_UNITS = {

@@ -126,3 +126,24 @@ def test_the_target_changes_nothing_on_cpu():
     out = jaxmem.optimize(step, donate_argnums=())(*args)
     ref = jax.jit(step)(*args)
     np.testing.assert_allclose(out[1], ref[1], rtol=1e-5)
+
+
+@pytest.mark.parametrize("where", ["cpu", "h100"])
+def test_hlo_flop_counts_see_matmuls_and_convolutions_after_compilation(where, h100):
+    """``hlo_dot_flops`` / ``hlo_conv_flops`` count the optimised HLO: a matmul and a 3x3
+    convolution with their gradients are three of each (forward, input and weight
+    gradients), also where XLA:GPU lowers the convolutions to cuDNN calls."""
+    n, hw, ci, co, k = 2, 8, 4, 8, 3
+
+    def loss(w, kern, x, img):
+        y = jax.lax.conv_general_dilated(img, kern, (1, 1), "SAME",
+                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return jnp.sum((x @ w) ** 2) + jnp.sum(y ** 2)
+
+    args = (jnp.ones((32, 16)), jnp.ones((k, k, ci, co)), jnp.ones((8, 32)),
+            jnp.ones((n, hw, hw, ci)))
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    lowered = grad.lower(*(args if where == "cpu" else targets.place(args, h100)))
+    compiled = measure.compile(lowered)
+    assert measure.hlo_dot_flops(compiled) == 3 * 2 * 8 * 32 * 16
+    assert measure.hlo_conv_flops(compiled) == 3 * 2 * (n * hw * hw * co) * (k * k * ci)
