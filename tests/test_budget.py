@@ -414,3 +414,33 @@ def test_budget_below_greedy_reach_uses_blocks(zoo_blocks):
     budget = z["figs"]["blocks"].peak
     plan = jaxmem.optimize(z["w"].step, budget=budget).plan(*z["w"].args)
     assert plan.compiled.peak <= budget, str(plan)
+
+
+@pytest.mark.parametrize("source, want", [("greedy (lowest)", "budget:blocks"),
+                                          ("greedy", "budget:greedy")])
+def test_a_lowest_memory_fit_is_weighed_against_a_block_plan(monkeypatch, source, want):
+    """When the search's only fit is greedy's lowest-memory plan (taken because the model
+    could not reach its aim: it drops all it can), a block plan is compiled too and the one
+    with fewer FLOPs runs; a fit the model aimed for is kept without that extra search."""
+    from jaxmem.budget import search as S
+    from jaxmem.measure import Figures
+    from jaxmem.strategies import plan_auto
+
+    step, args = _mlp(depth=6, batch=256)
+    a = from_program(jaxmem.trace(step, *args))
+    budget = int(a.argument_bytes + 0.5 * (a.peak_bytes - a.argument_bytes))
+
+    def fake_compile(plan):  # every plan fits; block plans cost half the FLOPs
+        flops = 1.0 if plan.region_depth is not None else 2.0
+        peak = budget - 1 if plan.recompute or plan.region_depth is not None else a.peak_bytes
+        return Figures(argument=peak, output=0, temp=0, alias=0, flops=flops)
+
+    def loop(self, best, aim):
+        drop = frozenset(plan_auto(a).recompute)
+        fig = fake_compile(plan_auto(a))
+        return S.Candidate(drop, frozenset(), source, 0.0, fig.peak, fig)
+
+    monkeypatch.setattr(S._Search, "_loop", loop)
+    plan = plan_with_budget(a, budget, auto=plan_auto(a), compile_plan=fake_compile,
+                            solver="greedy", max_compiles=8)
+    assert plan.strategy == want, plan.strategy

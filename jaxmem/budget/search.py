@@ -135,7 +135,11 @@ class _Search:
         best, aim = self._start()
         best = self._loop(best, aim)
         compiled = self.compile_plan is not None and not self.forced
-        if (best is None or best.source == "segments") and compiled and self.blocks is None:
+        # A block plan is tried when nothing better fits: no plan, Chen's segments, or
+        # greedy's lowest-memory plan (taken because the model could not reach its aim;
+        # it drops everything it can, so a block plan that fits is often cheaper in FLOPs).
+        if ((best is None or best.source in ("segments", "greedy (lowest)")) and compiled
+                and self.blocks is None):
             self.blocks = self._fallback(best_block_plan(self.analysis, self.requested,
                                                          self.compile_plan))
         blk = self.blocks
