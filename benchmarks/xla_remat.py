@@ -90,7 +90,10 @@ def render(data: dict) -> str:
            f" {data['meta']['date']}, jax {data['meta']['jax']}). Peak = argument + output + "
            "temp − alias; FLOPs = matmul and convolution FLOPs in the optimised HLO (XLA's "
            "rematerialised copies included), relative to plain jit's; "
-           "✓ = within the budget.", ""]
+           "✓ = within the budget."]
+    for m in data["meta"].get("merged", []):
+        out.append(f"Re-measured with `{m['command']}` ({m['date']}).")
+    out.append("")
     for m in data["models"]:
         plain = m["rows"][0]
         out += [f"**{m['model']}** ({m['size']}, batch {m['batch']}), plain jit "

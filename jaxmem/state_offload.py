@@ -534,9 +534,10 @@ def _out_shardings(program: Program, flat: Sequence[Any], inputs: Sequence[int],
     out: list[Any] = [None] * len(program.outputs)
     for i, j in zip(inputs, outputs, strict=True):
         s = getattr(flat[i], "sharding", None)
-        if s is None:
-            return None
-        out[j] = s.with_memory_kind("pinned_host")
+        try:
+            out[j] = s.with_memory_kind("pinned_host")
+        except (AttributeError, NotImplementedError, ValueError):
+            return None  # no sharding to keep (or none that takes a memory kind)
     return out
 
 
