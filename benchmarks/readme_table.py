@@ -93,7 +93,8 @@ def _caption(data: dict[str, Any]) -> str:
     meta = data["meta"]
     target = meta.get("target", "cpu")
     sources = {r.get("flops_source", "xla") for r in data["results"] if not r.get("error")}
-    flops = ("jaxmem's count of the traced program (XLA:GPU reports none without the device)"
+    flops = ("jaxmem's count of the traced program (the target compiler reports none "
+             "without the device)"
              if sources == {"jaxmem"} else "XLA's `cost_analysis()`")
     where = (f"compiled for {target} without the device (compile-only)"
              if not str(target).startswith("cpu") else

@@ -386,7 +386,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(its Compiled does not take the step's pytrees)."
         + ("" if args.target == "cpu" else f" Compiled for {meta['target']} without the "
            "device (jaxmem.targets): compile-only figures, no step times; FLOPs are jaxmem's "
-           "count of each variant's program (XLA:GPU reports none without the device), which "
+           "count of each variant's program (the target compiler reports none without the "
+           "device), which "
            "counts a scan body once per iteration.")
     )
     write_results(args.out, meta, results)

@@ -567,34 +567,60 @@ def _param_bytes(program: Program, inputs: Sequence[int], flat: Sequence[Any]) -
     return sum(_shard_bytes(flat[i]) for i in inputs if program.inputs[i] in model)
 
 
+def _ms(seconds: float) -> str:
+    return f"{1e3 * seconds:.1f} ms/step"
+
+
 def with_budget(search: Callable[[Any], Any], budget: Any, mode: bool | str | Predicate,
                 info: StateOffload | None, plain_peak: Callable[[], int],
                 profile: Any = "h100") -> tuple[Any, bool]:
     """The budget search, weighing the state's offload against residual recompute/offload.
 
     ``search(budget) -> Plan`` is the residual planner (:func:`jaxmem.plan_with_budget`).
-    With ``mode="auto"`` the state stays on the device when the residual plan alone meets
-    the budget (moving it costs :meth:`StateOffload.transfer_time` every step, recompute
-    and residual offload are already priced by the planner); otherwise, and always with
-    ``mode=True``, the state goes to host memory and the residuals are planned against the
-    budget plus the device bytes that frees (the state less the groups in flight).
+    With ``mode="auto"``, when the residual plan alone meets the budget its recompute time
+    (its FLOPs at the profile's rate) is weighed against the state's time on the host link
+    (:meth:`StateOffload.transfer_time`, none of it assumed hidden): the state stays on the
+    device unless moving it costs less, and then the residuals are planned again with the
+    room it frees and the cheaper of the two runs. When the residual plan cannot meet the
+    budget, and always with ``mode=True``, the state goes to host memory and the residuals
+    are planned against the budget plus the device bytes that frees (the state less the
+    groups in flight).
 
     Returns ``(plan, offload the state?)``; the plan's notes say what moves and its cost.
     """
     from jaxmem.budget.units import BudgetError, resolve_budget
+    from jaxmem.costmodel import DeviceProfile
     if not mode or info is None:
         return search(budget), False
     freed = max(info.nbytes - WINDOW * info.largest_group, 0)
-    cost = f"{1e3 * info.transfer_time(profile):.1f} ms/step over the host link ({profile})"
+    prof = DeviceProfile.get(profile)
+    link = info.transfer_time(prof)
+    cost = f"{1e3 * link:.1f} ms/step over the host link ({prof.name})"
     if mode == "auto":
         try:
             plan = search(budget)
         except BudgetError as e:
             why = f"residuals alone reach {fmt_bytes(e.minimum_bytes)}"
         else:
-            note = (f"optimizer state kept on the device: the budget is met without moving "
-                    f"its {fmt_bytes(info.nbytes)} (offloading it would cost {cost})")
-            return dataclasses.replace(plan, notes=plan.notes + (note,)), False
+            recompute = plan.recompute_flops / prof.flops_per_s
+            kept = (f"optimizer state kept on the device: the budget is met without moving "
+                    f"its {fmt_bytes(info.nbytes)} ({_ms(recompute)} of recompute; "
+                    f"offloading it would cost {cost})")
+            if recompute <= link:
+                return dataclasses.replace(plan, notes=plan.notes + (kept,)), False
+            b = resolve_budget(budget, plain_peak())
+            try:
+                moved = search(b + freed)
+            except BudgetError:
+                return dataclasses.replace(plan, notes=plan.notes + (kept,)), False
+            other = moved.recompute_flops / prof.flops_per_s
+            if other + link >= recompute:
+                return dataclasses.replace(plan, notes=plan.notes + (kept,)), False
+            note = (f"budget {fmt_bytes(b)}: optimizer state to host memory ({cost}) with "
+                    f"{_ms(other)} of recompute, against {_ms(recompute)} of recompute "
+                    f"with the state on the device; residuals planned against "
+                    f"{fmt_bytes(b + freed)}")
+            return dataclasses.replace(moved, budget=b, notes=moved.notes + (note,)), True
     else:
         why = "offload_state=True"
     b = resolve_budget(budget, plain_peak())

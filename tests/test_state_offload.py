@@ -155,3 +155,32 @@ def test_sharded_fsdp_state_lives_in_host_memory_on_a_two_gpu_target():
     both = jaxmem.optimize(step, offload_state="all", strategy="none").plan(*args)
     assert both.state_offload.param_bytes == 4 * 4 * 512 * 512 // 2
     assert both.compiled.peak < plan.compiled.peak, str(both)
+
+
+@pytest.mark.parametrize("host_bw, moved", [(1e12, True), (1.0, False)])
+def test_auto_weighs_recompute_against_the_state_on_the_host_link(host_bw, moved):
+    """offload_state="auto" with a budget the residual plan meets by heavy recompute: the
+    state moves when its host-link time is below that recompute (and the residuals are
+    planned again with the room it frees), and stays when the link is the dearer."""
+    import dataclasses
+
+    from jaxmem.analysis import from_program
+    from jaxmem.strategies import plan_none
+
+    step, _ = _adam_mlp(layers=2, width=64)
+    a = from_program(jaxmem.trace(step, *[jax.tree.map(
+        lambda s: jnp.zeros(s.shape, s.dtype), x) for x in _adam_mlp(2, 64)[1]]))
+    base = plan_none(a)
+    budget = 10_000
+
+    def search(b):  # at the budget: 1e9 FLOPs of recompute; with the state's room: none
+        return dataclasses.replace(base, recompute_flops=1e9 if b <= budget else 0.0)
+
+    info = state_offload.StateOffload((0,), (0,), ("mu",), nbytes=4_000, largest_group=500,
+                                      groups=8)
+    prof = jaxmem.DeviceProfile("test", flops_per_s=1e12, memory_bw=1e12, host_bw=host_bw)
+    plan, offload = state_offload.with_budget(search, budget, "auto", info, lambda: 20_000,
+                                              prof)
+    assert offload is moved
+    assert plan.recompute_flops == (0.0 if moved else 1e9)
+    assert any(("to host memory" if moved else "kept on the device") in n for n in plan.notes)
