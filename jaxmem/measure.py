@@ -163,6 +163,16 @@ def _dims(shape: str) -> list[int]:
     return [int(d) for d in re.findall(r"\d+", shape.split("[", 1)[-1])]
 
 
+def _hlo_shapes(text: str) -> dict[str, list[int]]:
+    """Instruction name -> its (first) result's dimensions, from HLO text."""
+    shapes: dict[str, list[int]] = {}
+    for line in text.splitlines():
+        m = _HLO_DEF.match(line)
+        if m:
+            shapes[m.group(1)] = _dims(m.group(2))
+    return shapes
+
+
 def hlo_dot_flops(compiled: Any) -> float:
     """Matmul FLOPs in a compiled program's optimised HLO: ``2 x output elements x
     contracted size`` of every ``dot`` instruction, fused ones and the copies XLA's own
@@ -175,11 +185,7 @@ def hlo_dot_flops(compiled: Any) -> float:
     body once.
     """
     text = compiled.as_text()
-    shapes: dict[str, list[int]] = {}
-    for line in text.splitlines():
-        m = _HLO_DEF.match(line)
-        if m:
-            shapes[m.group(1)] = _dims(m.group(2))
+    shapes = _hlo_shapes(text)
     total = 0.0
     for line in text.splitlines():
         m = _HLO_DOT.search(line)
@@ -214,11 +220,7 @@ def hlo_conv_flops(compiled: Any) -> float:
     FLOPs as the forward convolution it belongs to). Fused convolution+bias+activation
     calls count their convolution only; a loop body is counted once."""
     text = compiled.as_text()
-    shapes: dict[str, list[int]] = {}
-    for line in text.splitlines():
-        m = _HLO_DEF.match(line)
-        if m:
-            shapes[m.group(1)] = _dims(m.group(2))
+    shapes = _hlo_shapes(text)
     total = 0.0
     for line in text.splitlines():
         m = _HLO_CONV.search(line)
