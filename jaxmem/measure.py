@@ -13,6 +13,7 @@ must be compiled through :func:`compile` so that the comparison is fair.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any
 
@@ -205,7 +206,6 @@ def hlo_dot_flops(compiled: Any) -> float:
     return total
 
 
-
 _HLO_CONV = re.compile(
     r"=\s*\(?[a-z0-9]+\[([^\]]*)\][^=]*?\s(convolution|custom-call)\(%?([\w.\-]+),\s*%?([\w.\-]+)"
     r".*?dim_labels=([a-z0-9]+)_([a-z0-9]+)->([a-z0-9]+)")
@@ -243,14 +243,9 @@ def hlo_conv_flops(compiled: Any) -> float:
         if not out or not kernel or len(kernel) != len(kernel_labels) or "o" not in kernel_labels:
             continue
         o = kernel[kernel_labels.index("o")]
-        n_out = 1
-        for d in out:
-            n_out *= d
-        n_k = 1
-        for d in kernel:
-            n_k *= d
-        total += 2.0 * n_out * n_k / max(o, 1)
+        total += 2.0 * math.prod(out) * math.prod(kernel) / max(o, 1)
     return total
+
 
 _UNITS = [("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)]
 

@@ -45,6 +45,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -148,10 +149,7 @@ def _shard_bytes(x: Any) -> int:
         shape = None
     if shape is None:
         return _nbytes(x)
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n * getattr(getattr(x, "dtype", None), "itemsize", 0)
+    return math.prod(int(d) for d in shape) * getattr(getattr(x, "dtype", None), "itemsize", 0)
 
 
 def _fractions(flat: Sequence[Any], inputs: Sequence[int]) -> dict[int, float]:
