@@ -80,6 +80,12 @@ def fsdp_sharding(mesh: Any, axis: str = "data") -> Any:
     return spec
 
 
+def fsdp_args(target: Any, args: Any) -> Any:
+    """``args`` placed on all of ``target``'s devices, FSDP-sharded (:func:`fsdp_sharding`
+    over a ``data`` axis)."""
+    return target.place(args, fsdp_sharding(Mesh(np.array(target.devices()), ("data",))))
+
+
 def measure_size(size: str, target: str = "h100", seq: int = 4096, batch: int = 1,
                  layers: int | None = None, verify: bool = False, remat: bool = True,
                  variants: tuple[str, ...] = DEFAULT, fsdp: int = 0) -> dict:
@@ -92,10 +98,7 @@ def measure_size(size: str, target: str = "h100", seq: int = 4096, batch: int = 
     t = jaxmem.targets.require(f"{target}:{fsdp}" if fsdp else target)
     over = dict(seq=seq) | ({} if layers is None else dict(layers=layers))
     w = zoo.make("llama", size=size, batch=batch * max(fsdp, 1), abstract=True, **over)
-    if fsdp:
-        args = t.place(w.args, fsdp_sharding(Mesh(np.array(t.devices()), ("data",))))
-    else:
-        args = t.place(w.args)
+    args = fsdp_args(t, w.args) if fsdp else t.place(w.args)
     n_params = sum(x.size for x in jax.tree.leaves(w.state["params"]))
     rows = []
     for variant, mode in (("jaxmem + state", True), ("jaxmem + state + params", "all")):

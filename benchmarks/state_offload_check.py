@@ -9,7 +9,7 @@ The default variant is each layer under ``nn.remat(nothing_saveable)`` with the 
 host memory (``offload_state=True, strategy="none"``); ``--params`` is jaxmem's own plan
 (``verify=False``, no user remat) with the moments and the parameters in host memory
 (``offload_state="all"``). ``--fsdp N``: the state sharded over ``N`` devices of the target
-(:func:`benchmarks.state_offload.fsdp_sharding`), one sequence per device; figures per device.
+(:func:`benchmarks.state_offload.fsdp_args`), one sequence per device; figures per device.
 """
 
 from __future__ import annotations
@@ -18,12 +18,10 @@ import sys
 import time
 
 import jax
-import numpy as np
-from jax.sharding import Mesh
 
 import jaxmem
 from benchmarks import zoo
-from benchmarks.state_offload import fsdp_sharding
+from benchmarks.state_offload import fsdp_args
 from jaxmem import measure
 
 
@@ -33,8 +31,7 @@ def main(counts: list[int], params: bool = False, fsdp: int = 0) -> None:
         remat = {} if params else dict(remat_policy=jax.checkpoint_policies.nothing_saveable)
         w = zoo.make("llama", size="8b", batch=max(fsdp, 1), abstract=True, seq=4096,
                      layers=n, **remat)
-        args = (t.place(w.args, fsdp_sharding(Mesh(np.array(t.devices()), ("data",))))
-                if fsdp else t.place(w.args))
+        args = fsdp_args(t, w.args) if fsdp else t.place(w.args)
         t0 = time.perf_counter()
         opt = (jaxmem.optimize(w.step, offload_state="all", verify=False) if params else
                jaxmem.optimize(w.step, offload_state=True, strategy="none"))

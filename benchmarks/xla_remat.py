@@ -57,8 +57,8 @@ def measure_model(name: str, target: str, budgets: list[float], size: str = "ben
     plain_fn = jax.jit(w.step, donate_argnums=0)
     compiled, secs = _compile(plain_fn, args)
     plain = measure.figures(compiled)
-    plain_dots = _flops(compiled)
-    rows = [dict(variant="plain", budget=None, peak=plain.peak, dot_flops=plain_dots,
+    plain_flops = _flops(compiled)
+    rows = [dict(variant="plain", budget=None, peak=plain.peak, hlo_flops=plain_flops,
                  fits=True, compile_s=secs)]
     for frac in budgets:
         b = int(frac * plain.peak)
@@ -66,26 +66,27 @@ def measure_model(name: str, target: str, budgets: list[float], size: str = "ben
         c, secs = _compile(plain_fn, small.place(w.args))
         f = measure.figures(c)
         rows.append(dict(variant="xla", budget=frac, budget_bytes=b, peak=f.peak,
-                         dot_flops=_flops(c), fits=f.peak <= b, compile_s=secs))
+                         hlo_flops=_flops(c), fits=f.peak <= b, compile_s=secs))
         t0 = time.perf_counter()
         opt = jaxmem.optimize(w.step, budget=b, donate_argnums=(0,))
         try:
             plan = opt.plan(*args)
         except jaxmem.BudgetError as e:
             rows.append(dict(variant="jaxmem", budget=frac, budget_bytes=b,
-                             peak=e.minimum_bytes, dot_flops=None, fits=False,
+                             peak=e.minimum_bytes, hlo_flops=None, fits=False,
                              compile_s=time.perf_counter() - t0, strategy="BudgetError"))
             continue
         c = opt.lower(*args).compile()
         rows.append(dict(variant="jaxmem", budget=frac, budget_bytes=b,
-                         peak=plan.compiled.peak, dot_flops=_flops(c),
+                         peak=plan.compiled.peak, hlo_flops=_flops(c),
                          fits=plan.compiled.peak <= b, compile_s=time.perf_counter() - t0,
                          strategy=plan.strategy))
     return dict(model=name, size=size, batch=w.batch_size, target=str(t), rows=rows)
 
 
 def render(data: dict) -> str:
-    """Markdown: per model, one row per budget with XLA's and jaxmem's peak and matmul FLOPs."""
+    """Markdown: per model, one row per budget with XLA's and jaxmem's peak and matmul +
+    convolution FLOPs."""
     out = [f"Compiled for {data['meta']['target']} without the device (`{data['meta']['command']}`,"
            f" {data['meta']['date']}, jax {data['meta']['jax']}). Peak = argument + output + "
            "temp − alias; FLOPs = matmul and convolution FLOPs in the optimised HLO (XLA's "
@@ -109,9 +110,9 @@ def render(data: dict) -> str:
                     return "", ""
                 mark = "✓" if r["fits"] else "✗"
                 peak = f"{measure.fmt_bytes(r['peak'])} {mark}"
-                if r.get("dot_flops") is None:
+                if r.get("hlo_flops") is None:
                     return (f"≥ {measure.fmt_bytes(r['peak'])} ✗", "")
-                return peak, f"{100 * (r['dot_flops'] / plain['dot_flops'] - 1):+.1f}%"
+                return peak, f"{100 * (r['hlo_flops'] / plain['hlo_flops'] - 1):+.1f}%"
             xp, xf = cell(pair.get("xla"))
             jp, jf = cell(pair.get("jaxmem"))
             strat = (pair.get("jaxmem") or {}).get("strategy", "")

@@ -167,9 +167,9 @@ def test_auto_weighs_recompute_against_the_state_on_the_host_link(host_bw, moved
     from jaxmem.analysis import from_program
     from jaxmem.strategies import plan_none
 
-    step, _ = _adam_mlp(layers=2, width=64)
-    a = from_program(jaxmem.trace(step, *[jax.tree.map(
-        lambda s: jnp.zeros(s.shape, s.dtype), x) for x in _adam_mlp(2, 64)[1]]))
+    step, args = _adam_mlp(layers=2, width=64)
+    a = from_program(jaxmem.trace(step, *jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                                      args)))
     base = plan_none(a)
     budget = 10_000
 
