@@ -316,9 +316,62 @@ def block_boundaries(program: Program, depth: int) -> frozenset[int]:
     """Forward values made in one block and read in another.
 
     A block is a layer path cut to ``depth`` parts (``"GPT/block3/attn"`` at depth 2 is
-    ``"GPT/block3"``); top-level equations form one block of their own.
+    ``"GPT/block3"``); top-level equations form one block of their own. A run of forward
+    nodes (in program order) with one such path and no heavy (matmul/convolution) node
+    joins the next run that has one: a ResNet stem's BatchNorm and ReLU go with the first
+    residual block, a final LayerNorm with the LM head. What crosses into such a merged
+    block is then the heavy output before the light run, and the light run is re-created
+    from it with utility work only (MEDL's rule), instead of keeping each light layer's
+    output as a block boundary of its own (one activation per light layer: 9 MiB of a
+    CIFAR ResNet's 29 at batch 72). Backward regions still follow the layer paths
+    (:func:`jaxmem.program.region_of`); a light run's backward region re-creates what it
+    reads from the heavy output before it. A trailing light run (a loss) stays a block.
     """
-    return program.crossing("forward", depth)
+    block: dict[int, int] = {}      # forward node index -> block id (its run's, merged)
+    runs: list[list[int]] = []      # runs of forward nodes with one cut layer path
+    heavy: list[bool] = []
+    key = None
+    for n in program.nodes:
+        if n.phase != "forward":
+            continue
+        k = "/".join(n.layer.split("/")[:depth])
+        if not runs or k != key:
+            runs.append([])
+            heavy.append(False)
+            key = k
+        runs[-1].append(n.index)
+        heavy[-1] = heavy[-1] or n.kind == Kind.HEAVY
+    pending: list[int] = []         # light runs waiting for the next heavy one
+    for r in range(len(runs)):
+        pending.append(r)
+        if heavy[r]:
+            for p in pending:
+                block.update((i, r) for i in runs[p])
+            pending = []
+    for p in pending:               # a trailing light run is its own block
+        block.update((i, p) for i in runs[p])
+    # a merged block is labelled by its heavy run's path: runs of one path stay one block
+    path = {r: "/".join(program.nodes[nodes[0]].layer.split("/")[:depth])
+            for r, nodes in enumerate(runs)}
+    label = {i: _merged_label(path, heavy, b) for i, b in block.items()}
+    out: set[int] = set()
+    for n in program.nodes:
+        if n.phase != "forward":
+            continue
+        here = label[n.index]
+        for v in n.inputs:
+            u = program.values[v].producer
+            if u is not None and u in label and label[u] != here and \
+                    v not in program.constant_derived:
+                out.add(v)
+    return frozenset(out)
+
+
+def _merged_label(path: dict[int, str], heavy: list[bool], run: int) -> str:
+    """A block's label: the path of the heavy run it ends in (runs of one path are one
+    block, as when blocks were paths alone), or ``"<path>#<run>"`` for a trailing light
+    run."""
+    return path[run] if heavy[run] else f"{path[run]}#{run}"
 
 
 def block_depths(program: Program) -> tuple[int, ...]:

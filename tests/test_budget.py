@@ -386,6 +386,34 @@ def test_block_regions_read_kept_values_through_their_barrier():
     _same(ref, jax.jit(fns[True])(*flat))
 
 
+def test_light_layers_join_the_next_block():
+    """A run of layers with no matmul or convolution (the ResNet stem's BatchNorm and ReLU)
+    is no block of its own: the block plan keeps the stem convolution's output and
+    re-creates the BatchNorm and ReLU from it, keeping fewer bytes than when each light
+    layer's output was a boundary; same outputs as the plain step."""
+    from benchmarks import zoo
+    from jaxmem.program import region_of
+    from jaxmem.rewrite import rewrite
+    from jaxmem.strategies import block_boundaries, plan_blocks
+
+    w = zoo.make("resnet", size="test")
+    prog = jaxmem.trace(w.step, *w.args)
+    a = from_program(prog)
+    layer = {v: prog.nodes[prog.values[v].producer].layer for v in block_boundaries(prog, 2)}
+    assert not any(p.endswith("stem_bn") for p in layer.values()), layer
+    assert any(p.endswith("/stem") for p in layer.values())   # the stem conv's output
+    by_path = prog.crossing("forward", 2)                     # blocks = layer paths alone
+    assert block_boundaries(prog, 2) < by_path
+    assert any(region_of(prog.nodes[prog.values[v].producer], 2)[1].endswith("stem_bn")
+               for v in by_path)
+    blk = plan_blocks(a, 2)
+    nbytes = lambda vs: sum(prog.values[v].nbytes for v in vs)  # noqa: E731
+    assert nbytes(blk.keep) < nbytes(by_path - set(prog.inputs))
+    res = frozenset(r.value for r in a.residuals)
+    fn = rewrite(prog, blk.recompute, residuals=res | blk.keep, region_depth=2)
+    _same(jax.jit(w.step)(*w.args), jax.jit(fn)(*jax.tree.leaves(w.args)))
+
+
 @pytest.mark.parametrize("name", ["mlp", "transformer"])
 def test_block_plan_is_exact_and_below_the_auto_plan(zoo_blocks, name):
     """plan_blocks = nothing_saveable around every block, through the joint rewrite: same
