@@ -15,6 +15,12 @@ Example::
 
     python -m benchmarks.prediction --sizes test,bench --targets cpu,h100
     python -m benchmarks.prediction --sizes test --targets cpu,h100 --plans
+    python -m benchmarks.prediction --docs docs/targets.md   # the table there, from the JSON
+
+``--docs`` compiles nothing: it rewrites the table between ``<!-- prediction-table -->``
+markers in the given file from ``prediction.json`` (plain steps), ``before.json`` (the model
+before the per-target rules, same compiled peaks) and ``plans_test/prediction.json`` (the
+plans ``jaxmem.optimize`` verified, ``--plans``) under ``--out``.
 """
 
 from __future__ import annotations
@@ -90,6 +96,76 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+_TARGET_NAMES = {"cpu": "CPU", "h100": "H100 target"}
+_MARK = "<!-- prediction-table -->"
+_END = "<!-- /prediction-table -->"
+
+
+def _load(path: Path) -> list[dict[str, Any]]:
+    return json.loads(path.read_text())["rows"] if path.exists() else []
+
+
+def docs_table(rows: list[dict[str, Any]], before: list[dict[str, Any]],
+               plans: list[dict[str, Any]]) -> str:
+    """The docs' table: each plain row with the error before the per-target rules and the
+    verified plan's prediction beside it, and the counts within 10%."""
+    def key(r: dict[str, Any]) -> tuple[str, str, str]:
+        return r["model"], r["size"], r["target"]
+
+    old = {key(r): r for r in before if r.get("step", "plain") == "plain"}
+    plan = {key(r): r for r in plans if r.get("step") == "jaxmem" and not r.get("error")}
+    out = ["| model | size | target | before | predicted MiB | compiled MiB | error | "
+           "jaxmem plan: predicted / compiled MiB, error |",
+           "|---|---|---|---:|---:|---:|---:|---:|"]
+    errs, olds, perrs = [], [], []
+    for r in rows:
+        if r.get("step", "plain") != "plain" or r.get("error"):
+            continue
+        k = key(r)
+        b = old.get(k)
+        b_txt = f"{100 * (b['predicted'] / r['compiled'] - 1):+.1f}%" if b else ""
+        if b:
+            olds.append(abs(100 * (b["predicted"] / r["compiled"] - 1)))
+        p = plan.get(k)
+        p_txt = (f"{p['predicted'] / 2**20:.2f} / {p['compiled'] / 2**20:.2f}, "
+                 f"{p['error_pct']:+.1f}%") if p else ""
+        if p:
+            perrs.append(abs(p["error_pct"]))
+        errs.append(abs(r["error_pct"]))
+        out.append(f"| {r['model']} | {r['size']} | {_TARGET_NAMES.get(r['target'], r['target'])}"
+                   f" | {b_txt} | {r['predicted'] / 2**20:.2f} | {r['compiled'] / 2**20:.2f} | "
+                   f"{r['error_pct']:+.1f}% | {p_txt} |")
+    out.append("")
+    line = f"plain: {sum(e <= 10 for e in errs)}/{len(errs)} within 10%"
+    if olds:
+        line += f" (before: {sum(e <= 10 for e in olds)}/{len(olds)})"
+    line += f"; largest {max(errs, default=0):.1f}%"
+    if olds:
+        line += f" (before {max(olds):.1f}%)"
+    out.append(line)
+    for size in sorted({r["size"] for r in rows}):
+        e = [abs(r["error_pct"]) for r in rows
+             if r["size"] == size and r.get("step", "plain") == "plain" and not r.get("error")]
+        out.append(f"plain at {size} size: {sum(x <= 10 for x in e)}/{len(e)} within 10%; "
+                   f"largest {max(e, default=0):.1f}%")
+    if perrs:
+        out.append(f"plans: {sum(e <= 10 for e in perrs)}/{len(perrs)} within 10%; "
+                   f"largest {max(perrs):.1f}%")
+    return "\n".join(out)
+
+
+def render_docs(path: Path, out: Path) -> None:
+    """Rewrite the marked table in ``path`` from the JSON files under ``out``."""
+    text = path.read_text()
+    if _MARK not in text or _END not in text:
+        raise SystemExit(f"{path}: no {_MARK} ... {_END} block to rewrite")
+    head, rest = text.split(_MARK, 1)
+    _, tail = rest.split(_END, 1)
+    table_md = docs_table(_load(out / "prediction.json"), _load(out / "before.json"),
+                          _load(out / "plans_test" / "prediction.json"))
+    path.write_text(f"{head}{_MARK}\n{table_md}\n{_END}{tail}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.prediction",
                                 description=__doc__.split("\n\n")[0])
@@ -99,7 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plans", action="store_true",
                    help="also the step jaxmem.optimize rewrites (compiles its candidates)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--docs", type=Path,
+                   help="rewrite the prediction table in this markdown file from the JSON "
+                        "under --out, and compile nothing")
     a = p.parse_args(argv)
+    if a.docs:
+        render_docs(a.docs, a.out)
+        return 0
     a.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     meta = {"jax": jax.__version__, "command": "python -m benchmarks.prediction "

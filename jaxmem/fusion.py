@@ -41,8 +41,8 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["PLATFORMS", "is_expensive", "makes_buffer", "normalise_platform", "upcast_bytes",
-           "expansion_bytes", "padded_bytes"]
+__all__ = ["PLATFORMS", "expansion_bytes", "fuses_into_gemm", "is_expensive", "makes_buffer",
+           "normalise_platform", "padded_bytes", "upcast_bytes"]
 
 #: Floating-point primitives XLA's base fusion pass will not duplicate.
 _EXPENSIVE = frozenset({
@@ -74,6 +74,17 @@ def makes_buffer(primitive: str, input_dtypes: tuple[str, ...], platform: str = 
     (``RngBitGenerator``), except on XLA:GPU, which expands it into elementwise code."""
     return (primitive == "random_bits" and normalise_platform(platform) != "cuda"
             and any("rbg" in d for d in input_dtypes))
+
+
+def fuses_into_gemm(primitive: str, dtype: str, from_inputs: tuple[bool, ...],
+                    platform: str = "cpu") -> bool:
+    """Whether XLA on ``platform`` fuses ``primitive`` (output ``dtype``) into the matmuls
+    that read it instead of storing it: on XLA:GPU, a conversion to half precision of a
+    value the program computes (attention probabilities cast to bf16), which its Triton
+    GEMM fusion reads in f32 and converts in the kernel. A conversion of a program input
+    (a weight's bf16 cast, shared by the forward and backward matmuls) is stored."""
+    return (normalise_platform(platform) == "cuda" and primitive == "convert_element_type"
+            and dtype in _HALF and not any(from_inputs))
 
 
 #: Primitives XLA:CPU computes in f32 whatever their operands' precision.

@@ -19,6 +19,7 @@ import numpy as np
 from jaxmem import _jax
 from jaxmem.fusion import (
     expansion_bytes,
+    fuses_into_gemm,
     is_expensive,
     makes_buffer,
     padded_bytes,
@@ -71,8 +72,13 @@ def materialised(program: Program, platform: str = "cpu") -> list[bool]:
             continue
         avail = (not is_expensive(node.primitive, v.dtype, platform)
                  and all(mat[a] or dup[a] for a in node.inputs))
+        gemm = fuses_into_gemm(node.primitive, v.dtype,
+                               tuple(values[a].producer is None for a in node.inputs),
+                               platform)
         for i in rd:
             u = program.nodes[i]
+            if gemm and u.primitive == "dot_general":
+                continue
             if (u.kind not in CHEAP or _is_reduction(u.primitive)
                     or (u.phase != node.phase and not avail)):
                 mat[v.id] = True

@@ -57,3 +57,28 @@ def test_fusion_rules_per_platform():
     assert fusion.upcast_bytes("dot_general", "bfloat16", 100, "cuda") == 0
     assert fusion.makes_buffer("random_bits", ("key<rbg>",), "cpu")
     assert not fusion.makes_buffer("random_bits", ("key<rbg>",), "cuda")
+
+
+def test_gpu_gemm_fusions_take_activation_conversions():
+    """XLA:GPU's GEMM fusion converts a computed operand to bf16 inside the kernel (the
+    attention probabilities), while a weight's bf16 cast is stored; XLA:CPU stores both."""
+    from jaxmem.liveness import materialised
+    from jaxmem.program import trace
+
+    assert fusion.fuses_into_gemm("convert_element_type", "bfloat16", (False,), "cuda")
+    assert not fusion.fuses_into_gemm("convert_element_type", "bfloat16", (True,), "cuda")
+    assert not fusion.fuses_into_gemm("convert_element_type", "bfloat16", (False,), "cpu")
+    assert not fusion.fuses_into_gemm("convert_element_type", "float32", (False,), "cuda")
+
+    def f(w, x, v):
+        p = jax.nn.softmax(x @ w)
+        return p.astype(jax.numpy.bfloat16) @ v.astype(jax.numpy.bfloat16)
+
+    a = jax.ShapeDtypeStruct((64, 64), jax.numpy.float32)
+    prog = trace(f, a, a, a)
+    casts = [n for n in prog.nodes if n.primitive == "convert_element_type"]
+    probs = next(n for n in casts if prog.values[n.inputs[0]].producer is not None)
+    weight = next(n for n in casts if prog.values[n.inputs[0]].producer is None)
+    gpu, cpu = materialised(prog, "cuda"), materialised(prog, "cpu")
+    assert not gpu[probs.outputs[0]] and gpu[weight.outputs[0]]
+    assert cpu[probs.outputs[0]] and cpu[weight.outputs[0]]
