@@ -182,7 +182,8 @@ def run_model(name: str, size: str, tol: float, cap: int, log: Callable[[str], N
     start = zoo.config(name, size)["batch"]
     budget = plain_peak(name, size, start)
     log(f"{name}: budget {measure.fmt_bytes(budget)} (plain jit peak at batch {start})")
-    out: dict[str, Any] = {"model": name, "size": size, "start_batch": start, "budget": budget}
+    out: dict[str, Any] = {"model": name, "size": size, "start_batch": start, "budget": budget,
+                           "tol": tol}
     plain = search(lambda b: plain_peak(name, size, b), budget, start, tol=tol, cap=cap,
                    variant="plain", known={start: budget})
     log(f"  plain    -> {plain.batch} ({plain.compiles} compiles, {plain.seconds:.0f}s)")
