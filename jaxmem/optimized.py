@@ -10,9 +10,12 @@ budget search (:mod:`jaxmem.budget`) gets its compiles from here as callbacks; s
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import inspect
+import logging
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -48,6 +51,72 @@ from jaxmem.shard_map import BodyPlanner, plan_bodies
 from jaxmem.tags import offload_tagged, offload_tags_out_of_reach
 
 STRATEGIES = ("auto", "none")
+VERIFY = (True, False, "background")
+log = logging.getLogger("jaxmem")
+#: Set when the interpreter exits: background verifications stop before their next compile
+#: (a non-daemon thread is joined at exit; this keeps that wait to the compiles in flight).
+_CANCEL = threading.Event()
+threading._register_atexit(_CANCEL.set)  # noqa: SLF001 - before non-daemon threads are joined
+
+
+class _Cancelled(Exception):
+    """The interpreter is exiting: a background verification stops."""
+
+
+def _in_background(fn: Callable[[], Any]) -> concurrent.futures.Future:
+    """Run ``fn`` in a thread of its own; its result (or exception) in a future."""
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - delivered to the caller by the future
+            fut.set_exception(e)
+    threading.Thread(target=run, name="jaxmem-verify").start()
+    return fut
+
+
+def _thread_sees_context() -> bool:
+    """Whether a new thread traces under this thread's JAX configuration: context managers
+    (``jax.default_matmul_precision``, ``enable_x64``, ...) are thread-local, and a
+    background trace under different settings would be a different program."""
+    from jax._src import config as jax_config
+    here, there = jax_config.trace_context(), []
+    t = threading.Thread(target=lambda: there.append(jax_config.trace_context()))
+    t.start()
+    t.join()
+    return bool(there) and there[0] == here
+
+
+def _first_to_run(plan: Plan, candidates: Sequence[Plan], notes: tuple[str, ...]) -> Plan:
+    """The plan ``verify="background"`` runs until the verified one is ready: the candidate
+    that drops the most bytes, the fewest recompute FLOPs among equals. (On the zoo GPT at
+    bench size on CPU that is ``selective``: the lowest compiled peak of the six and the
+    quickest to compile, 12.9 s against MEDL's per-layer plan's 24.7 s.)"""
+    if not candidates:
+        return plan
+    best = max(candidates, key=lambda p: (p.dropped_bytes, -p.recompute_flops))
+    return dataclasses.replace(best, donated=plan.donated, notes=best.notes + notes)
+
+
+def _cancellable(lower: Callable[[], Any]) -> Callable[[], Any]:
+    """``lower``, unless the interpreter is exiting (:data:`_CANCEL`)."""
+    def call() -> Any:
+        if _CANCEL.is_set():
+            raise _Cancelled("the interpreter is exiting")
+        return lower()
+    return call
+
+
+def _stand_ins(tree: Any) -> Any:
+    """Abstract stand-ins (shape, dtype, weak type, sharding) for the arrays of ``tree``:
+    what a background compile lowers with after the first call donated the arrays."""
+    def one(x: Any) -> Any:
+        if isinstance(x, jax.Array):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding,
+                                        weak_type=getattr(x, "weak_type", False))
+        return x
+    return jax.tree.map(one, tree)
 #: The built-in policy the automatic mode compiles as a candidate of its own, on the whole
 #: loss: what users of every JAX library can do without editing the model.
 LOSS_POLICY = "dots_saveable"
@@ -87,6 +156,45 @@ class _Entry:
     # committed devices or shardings, keyed by _placement.
     placed: dict[Any, Any] = dataclasses.field(default_factory=dict)
     host_state: tuple[int, ...] = ()  # flat argument positions kept in pinned_host memory
+    # verify="background": the verification running beside the first calls; its result
+    # (the verified plan, its jitted step and executable) replaces plan/jitted/compiled
+    # at the start of the first call after it is done (_Entry.adopt).
+    # It starts once the first call's own executable is compiled and running (verify_later),
+    # so that the two compiles do not share the cores.
+    verify_later: Callable[[], Any] | None = None
+    plain_predicted: int | None = None  # the plain step's predicted peak: the first plan's bar
+    pending: concurrent.futures.Future | None = None
+    calls: int = 0  # calls run so far (for the log line that says when a plan was adopted)
+
+    def start_verifying(self) -> None:
+        if self.verify_later is not None:
+            self.pending, self.verify_later = _in_background(self.verify_later), None
+
+    def adopt(self, wait: bool = False) -> None:
+        """Take the background verification's plan, once it is done (or ``wait`` for it)."""
+        if wait:
+            self.start_verifying()
+        fut = self.pending
+        if fut is None or not (wait or fut.done()):
+            return
+        self.pending = None
+        try:
+            plan, jitted, compiled = fut.result()
+        except Exception as e:  # noqa: BLE001 - the running plan stays; say why
+            note = (f"background verification failed ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0][:200] if str(e) else ''}); the unverified "
+                    f"{self.plan.strategy!r} plan keeps running (verify=True verifies "
+                    "before the first call)")
+            log.warning("jaxmem: %s", note)
+            self.plan = dataclasses.replace(self.plan, notes=self.plan.notes + (note,))
+            return
+        note = (f"verified in the background: ran the unverified {self.plan.strategy!r} plan "
+                f"for the first {self.calls} call(s), then this one" if self.calls else
+                f"verified before the first call: the unverified {self.plan.strategy!r} plan "
+                "did not compile below the plain step's predicted peak")
+        log.info("jaxmem: %s (%s)", note, plan.strategy)
+        self.plan = dataclasses.replace(plan, notes=plan.notes + (note,))
+        self.jitted, self.compiled, self.placed = jitted, compiled, {}
 
 
 def _placement(flat: Sequence[Any]) -> Any:
@@ -132,7 +240,7 @@ class Optimized:
                  offload: bool | str = False, static_argnums: int | Sequence[int] | None = None,
                  static_argnames: str | Sequence[str] | None = None,
                  donate_argnums: int | Sequence[int] | str | None = "auto",
-                 max_recompute_fraction: float = 0.05, verify: bool = True,
+                 max_recompute_fraction: float = 0.05, verify: bool | str = True,
                  remat_scans: bool | Callable[..., Any] = True, offload_state: Any = False,
                  **jit_kwargs: Any) -> None:
         if not (callable(offload_state) or offload_state in state_offload.MODES):
@@ -140,6 +248,8 @@ class Optimized:
                              f"predicate (path, leaf) -> bool, got {offload_state!r}")
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        if not any(verify is v or (isinstance(v, str) and verify == v) for v in VERIFY):
+            raise ValueError(f"verify must be True, False or 'background', got {verify!r}")
         _check_options(budget, offload, donate_argnums, max_recompute_fraction)
         unknown = set(jit_kwargs) - {"keep_unused", "inline"}
         if unknown:
@@ -173,8 +283,18 @@ class Optimized:
                 f"{len(abstract)} abstract argument(s) (jax.ShapeDtypeStruct, placed on "
                 f"{where}): there is nothing to run. For a compile-only target use "
                 ".lower(*args).compile() or .plan(*args); to run, pass arrays.")
+        entry.adopt()  # verify="background": the verified plan, once it is ready
         if entry.compiled is None:
             entry.compiled = measure.compile(entry.jitted.lower(*flat))
+            if entry.verify_later is not None and entry.plain_predicted is not None:
+                peak = measure.figures(entry.compiled).peak
+                if peak >= entry.plain_predicted:  # unverified and no better: verify first
+                    log.info("jaxmem: the unverified %r plan compiled to %s, not below the "
+                             "plain step's predicted %s: verifying before the first call",
+                             entry.plan.strategy, fmt_bytes(peak),
+                             fmt_bytes(entry.plain_predicted))
+                    entry.adopt(wait=True)
+        entry.calls += 1
         try:
             outs = entry.compiled(*flat)
         except (TypeError, ValueError):
@@ -182,6 +302,7 @@ class Optimized:
             # compile the same step for these arguments, the jaxmem way (never a plain jit
             # call: on CPU that would drop the barriers and with them the plan's recompute).
             outs = self._placed(entry, flat)(*flat)
+        entry.start_verifying()  # verify="background": after the first call's compile
         return arguments.combine(jax.tree_util.tree_unflatten(out_tree, outs), entry.static_out)
 
     def _placed(self, entry: _Entry, flat: list[Any]) -> Callable[..., Any]:
@@ -204,16 +325,19 @@ class Optimized:
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Like ``jax.jit(f).lower``; ``.compile()`` on the result applies jaxmem's options."""
         entry, flat, _ = self._prepare(args, kwargs)
+        entry.adopt(wait=True)
         return Lowered(entry.jitted.lower(*flat), entry.compiled)
 
     def trace(self, *args: Any, **kwargs: Any) -> Any:
         """Like ``jax.jit(f).trace``: a ``jax.stages.Traced`` of the rewritten step."""
         entry, flat, _ = self._prepare(args, kwargs)
+        entry.adopt(wait=True)
         return entry.jitted.trace(*flat)
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
         """The :class:`~jaxmem.plan.Plan` for these arguments, with compiled figures."""
         entry, flat, _ = self._prepare(args, kwargs)
+        entry.adopt(wait=True)
         if entry.plan.compiled is None:
             if entry.compiled is None:
                 entry.compiled = measure.compile(entry.jitted.lower(*flat))
@@ -351,15 +475,30 @@ class Optimized:
                                      self._options(donate_flat)) \
             if planning and self.offload_state is False else None
         cached = plan_cache.load(key) if key else None
+        # verify="background": the first call runs the unverified auto plan; the candidates
+        # compile in a thread beside the next calls (single process only: hosts must run
+        # the same program at every step; and only where the thread traces the same way).
+        defer = (self.verify == "background" and planning and self.budget is None
+                 and self.offload_state is False and jax.process_count() == 1
+                 and cached is None and _thread_sees_context())
+        lean_notes = lean[1] if lean else ()
+        deferred, made = False, None
         if cached is not None:  # made before (this process, or the disk cache): no compiles
             plan, compiled = dataclasses.replace(cached, donated=donated), None
             stream_state = False
         else:
             plan, compiled, stream_state = self._make_plan(analysis, jit_plan, plain, dyn_args,
                                                            kwargs, donated, platform, body,
-                                                           loop_plans, loss_ckpt)
-            plan = dataclasses.replace(plan, notes=plan.notes + (lean[1] if lean else ()))
-            if key:
+                                                           loop_plans, loss_ckpt, defer)
+            deferred = defer and bool(plan.recompute) and not plan.offload
+            made = plan  # as _verified would have seen it
+            plan = dataclasses.replace(plan, notes=plan.notes + lean_notes)
+            if deferred:
+                plan = dataclasses.replace(plan, notes=plan.notes + (
+                    "not verified yet: verify='background' compiles the candidate plans and "
+                    "the plain step beside the first calls, and the lowest takes over at the "
+                    "first call after that (step.plan(...) waits for it)",))
+            elif key:
                 plan_cache.store(key, plan)
         # A budget the plain step already fits drops nothing: run the plain step itself (its
         # figures are the ones the budget was checked against).
@@ -376,26 +515,50 @@ class Optimized:
                 host_state, compiled = info.inputs, None
                 plan = dataclasses.replace(plan, state_offload=info, compiled=None,
                                            notes=plan.notes + (info.describe(_profile_of(flat)),))
-        return _Entry(analysis=analysis, plan=plan, jitted=jitted, donate_flat=donate_flat,
-                      plain=plain, compiled=compiled, static_out=fn.static_out,
-                      host_state=host_state)
+        entry = _Entry(analysis=analysis, plan=plan, jitted=jitted, donate_flat=donate_flat,
+                       plain=plain, compiled=compiled, static_out=fn.static_out,
+                       host_state=host_state)
+        if deferred:
+            stand = _stand_ins((dyn_args, kwargs))
+
+            def verify_later() -> tuple[Plan, Any, Any]:
+                best, exe = self._verified(made, analysis, jit_plan, plain, *stand, loss_ckpt)
+                best = dataclasses.replace(best, notes=best.notes + lean_notes)
+                if key:
+                    plan_cache.store(key, best)
+                return best, self._jitted_for(best, plain, jit_plan, loss_ckpt), exe
+            entry.verify_later = verify_later
+            entry.plain_predicted = from_program(program, donated=donate_flat,
+                                                 platform=platform).peak_bytes
+        return entry
+
+    @staticmethod
+    def _jitted_for(plan: Plan, plain: Any, jit_plan: Callable[[Plan], Any],
+                    loss_ckpt: Callable[..., Any]) -> Any:
+        """The jitted step that runs a verified (no budget, no offload) ``plan``."""
+        if plan.strategy == "none":
+            return plain
+        return loss_ckpt(plan.loss_policy)[0] if plan.loss_policy else jit_plan(plan)
 
     def _options(self, donate_flat: tuple[int, ...]) -> tuple[Any, ...]:
         """What changes the plan besides the program and target: the plan cache's key."""
+        # verify="background" ends with the plan verify=True makes: one cache entry for both
         return (self.budget, self.strategy, self.offload, self.max_recompute_fraction,
-                self.verify, self.remat_scans, donate_flat, sorted(self.jit_kwargs.items()))
+                self.verify is not False, self.remat_scans, donate_flat,
+                sorted(self.jit_kwargs.items()))
 
     def _make_plan(self, analysis: Analysis, jit_plan: Callable[[Plan], Any], plain: Any,
                    dyn_args: tuple[Any, ...], kwargs: dict[str, Any], donated: tuple[int, ...],
                    platform: str, body: Any = None, loop_plans: tuple[Any, ...] = (),
-                   loss_ckpt: Callable[[], tuple[Any, list[str]]] | None = None
-                   ) -> tuple[Plan, Any, bool]:
+                   loss_ckpt: Callable[[], tuple[Any, list[str]]] | None = None,
+                   defer: bool = False) -> tuple[Plan, Any, bool]:
         """Plan the step (compiling candidates on its target); the chosen plan's executable
         when one was compiled on the way; whether the optimizer state streams from host
         memory (``offload_state``). ``loop_plans``: the plans of loop and shard_map bodies
         planned as steps of their own (:meth:`_trace`). ``loss_ckpt()``: the step with its
         loss under ``jax.checkpoint`` of the built-in policy (:meth:`_loss_checkpointed`),
-        one more candidate of the automatic mode."""
+        one more candidate of the automatic mode. ``defer``: leave the candidates' verifying
+        compiles to the caller (``verify="background"``)."""
         program, flat = analysis.program, jax.tree_util.tree_leaves((dyn_args, kwargs))
         compiled, exes, plain_figures = None, {}, {}
 
@@ -448,8 +611,13 @@ class Optimized:
                                                     jit_plan(plan) if plan.inner else None)
         plan = dataclasses.replace(plan, notes=plan.notes + logits_notes(analysis))
         if (self.verify and self.budget is None and plan.recompute and not plan.offload):
-            plan, compiled = self._verified(plan, analysis, jit_plan, plain, dyn_args, kwargs,
-                                            loss_ckpt)
+            if not defer:
+                plan, compiled = self._verified(plan, analysis, jit_plan, plain, dyn_args,
+                                                kwargs, loss_ckpt)
+            else:  # the first calls run the candidate that drops the most (fewest FLOPs)
+                plan = _first_to_run(plan, strategies.auto_candidates(
+                    analysis, max_recompute_fraction=self.max_recompute_fraction),
+                    logits_notes(analysis))
         elif self.verify and self.budget is None and plan.offload:
             plan, compiled = self._verified_offload(plan, analysis, jit_plan, plain, flat,
                                                     platform)
@@ -464,11 +632,11 @@ class Optimized:
         if self.remat_scans and self.strategy != "none":
             policy = policy or (utility if self.remat_scans is True else self.remat_scans)
             bodies = TrainBodies(lambda body: Optimized(  # gradient-accumulation loops
-                body, donate_argnums=(), verify=self.verify,
+                body, donate_argnums=(), verify=self.verify is not False,
                 max_recompute_fraction=self.max_recompute_fraction))
             with _jax.checkpointed_scan_bodies(policy, bodies):
                 program = trace(fn, *dyn_args, **kwargs)
-            sharded = BodyPlanner(self.max_recompute_fraction, self.verify)  # shard_map DP
+            sharded = BodyPlanner(self.max_recompute_fraction, self.verify is not False)
             program = plan_bodies(program, sharded)
             loop_plans = tuple(bodies.plans) + tuple(sharded.plans)
             if program.has_backward or loop_plans:
@@ -566,7 +734,7 @@ class Optimized:
             variants += bodies_only(analysis, plan.donated)
         variants = variants or [plan]
         jitted_all = [plain] + [jit_plan(p) for p in variants]
-        thunks = [functools.partial(j.lower, *flat) for j in jitted_all]
+        thunks = [_cancellable(functools.partial(j.lower, *flat)) for j in jitted_all]
         skipped: tuple[str, ...] = ()
         if loss_ckpt is not None:
             loss_jit, wrapped = loss_ckpt()
@@ -847,7 +1015,7 @@ def optimize(fn: Callable[..., Any] | None = None, *, budget: Any = None,
              static_argnums: int | Sequence[int] | None = None,
              static_argnames: str | Sequence[str] | None = None,
              donate_argnums: int | Sequence[int] | str | None = "auto",
-             max_recompute_fraction: float = 0.05, verify: bool = True,
+             max_recompute_fraction: float = 0.05, verify: bool | str = True,
              remat_scans: bool | Callable[..., Any] = True, offload_state: Any = False,
              **jit_kwargs: Any) -> Any:
     """Jit a train step so that it needs less accelerator memory, with the same results.
@@ -876,6 +1044,15 @@ def optimize(fn: Callable[..., Any] | None = None, *, budget: Any = None,
         compiled peak is lower. This guarantees ``optimize`` is never worse than
         ``jax.jit``, nor than that built-in policy on the whole loss, at one compile per
         candidate on the first call (a plan cache hit compiles only the step).
+        ``"background"``: the first call compiles and runs MEDL's auto plan alone
+        (unverified, as ``verify=False`` would), then the candidates and the plain step
+        compile in a thread while later calls run; the lowest takes over at the first call
+        after that (logged at INFO, noted in the plan) and goes to the plan cache, so a
+        restart starts on it. ``.plan``/``.lower``/``.trace`` wait for it. The swap changes
+        which program runs mid-training (same results up to float rounding), so it applies
+        to single-process runs only (several processes verify before the first call, as with
+        ``True``), and not with a ``budget``, offload, or a thread-local JAX context
+        (``jax.default_matmul_precision(...)`` around the first call), which also verify first.
       remat_scans: run the bodies of ``lax.scan`` (``nn.scan``/``nnx.scan`` stacks) under
         ``jax.checkpoint(policy=jaxmem.policies.utility)`` while tracing, so layers inside a
         scan save only their heavy outputs too (the joint rewrite keeps a scan whole);

@@ -1,0 +1,117 @@
+"""verify="background": the first call runs the unverified auto plan, the candidates compile
+in a thread, and the verified plan takes over once it is ready."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxmem
+from jaxmem import optimized, plan_cache, strategies
+
+
+def step(ws, x):
+    def loss(ws):
+        h = x
+        for w in ws:
+            h = h + jnp.tanh(jax.nn.gelu(h @ w) * 1.5)
+        return jnp.mean(h ** 2)
+    val, g = jax.value_and_grad(loss)(ws)
+    return [w - 0.1 * d for w, d in zip(ws, g, strict=True)], val
+
+
+WS = [jnp.full((24, 24), 0.03 * (i + 1)) for i in range(3)]
+X = jax.random.normal(jax.random.key(1), (192, 24))
+
+
+def _close(a, b):
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plans():
+    plan_cache.clear_memory()
+    yield
+    plan_cache.clear_memory()
+
+
+def test_background_verification_ends_on_the_verified_plan(caplog):
+    ref = jax.jit(step)(WS, X)
+    verified = jaxmem.optimize(step, donate_argnums=()).plan(WS, X)
+    plan_cache.clear_memory()
+
+    bg = jaxmem.optimize(step, donate_argnums=(), verify="background")
+    _close(bg(WS, X), ref)  # the first call: the unverified auto plan, same results
+    entry = next(iter(bg._cache.values()))
+    assert entry.pending is not None and "not verified yet" in entry.plan.notes[-1]
+    assert entry.verify_later is None  # started after the first call's compile
+    cands = strategies.auto_candidates(bg.analysis(WS, X))
+    assert entry.plan.strategy == max(cands, key=lambda p: p.dropped_bytes).strategy
+    with caplog.at_level(logging.INFO, logger="jaxmem"):
+        plan = bg.plan(WS, X)  # waits for the background verification
+    assert entry.pending is None
+    assert plan.strategy == verified.strategy
+    assert plan.compiled.peak == verified.compiled.peak
+    assert "verified in the background" in plan.notes[-1]
+    assert any("verified in the background" in r.getMessage() for r in caplog.records)
+    _close(bg(WS, X), ref)  # calls after the swap run the verified executable
+    _close(bg(WS, X), ref)
+
+    # the verified plan is what the plan cache holds, shared with verify=True
+    again = jaxmem.optimize(step, donate_argnums=())
+    assert again.plan(WS, X).strategy == verified.strategy
+    assert not any("not verified" in n for n in again.plan(WS, X).notes)
+
+
+def test_a_thread_local_jax_context_verifies_before_the_first_call():
+    # a background thread would not trace under the caller's context manager
+    with jax.default_matmul_precision("highest"):
+        bg = jaxmem.optimize(step, donate_argnums=(), verify="background")
+        bg(WS, X)
+    entry = next(iter(bg._cache.values()))
+    assert entry.pending is None
+    assert not any("not verified" in n for n in entry.plan.notes)
+    assert entry.plan.compiled is not None  # verified (compiled) before the first call ran
+
+
+def test_a_failed_background_verification_keeps_the_running_plan(monkeypatch, caplog):
+    def broken(*a, **k):
+        raise RuntimeError("compile failed")
+    monkeypatch.setattr(optimized.Optimized, "_verified", broken)
+    bg = jaxmem.optimize(step, donate_argnums=(), verify="background")
+    ref = jax.jit(step)(WS, X)
+    _close(bg(WS, X), ref)
+    with caplog.at_level(logging.WARNING, logger="jaxmem"):
+        plan = bg.plan(WS, X)
+    assert "background verification failed (RuntimeError: compile failed)" in plan.notes[-1]
+    assert any("background verification failed" in r.getMessage() for r in caplog.records)
+    _close(bg(WS, X), ref)
+    monkeypatch.undo()  # nothing unverified was stored: a new optimize plans afresh
+    fresh = jaxmem.optimize(step, donate_argnums=())
+    assert not any("not verified" in n for n in fresh.plan(WS, X).notes)
+
+
+def test_a_first_plan_above_the_plain_prediction_waits_for_verification(monkeypatch):
+    real = optimized.from_program
+
+    def low_bar(program, **kw):  # the plain step predicted at one byte: no plan is below it
+        a = real(program, **kw)
+        return dataclasses.replace(a, peak_bytes=1) if kw else a
+    monkeypatch.setattr(optimized, "from_program", low_bar)
+    bg = jaxmem.optimize(step, donate_argnums=(), verify="background")
+    _close(bg(WS, X), jax.jit(step)(WS, X))
+    entry = next(iter(bg._cache.values()))
+    assert entry.pending is None and entry.verify_later is None  # verified, then ran
+    assert "verified before the first call" in entry.plan.notes[-1]
+    assert entry.plan.compiled is not None
+
+
+def test_verify_must_be_true_false_or_background():
+    with pytest.raises(ValueError, match="verify must be True, False or 'background'"):
+        jaxmem.optimize(step, verify="later")
