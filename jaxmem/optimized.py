@@ -51,6 +51,9 @@ from jaxmem.shard_map import BodyPlanner, plan_bodies
 from jaxmem.tags import offload_tagged, offload_tags_out_of_reach
 
 STRATEGIES = ("auto", "none")
+#: The built-in policy the automatic mode compiles as a candidate of its own, on the whole
+#: loss: what users of every JAX library can do without editing the model.
+LOSS_POLICY = "dots_saveable"
 VERIFY = (True, False, "background")
 log = logging.getLogger("jaxmem")
 #: Set when the interpreter exits: background verifications stop before their next compile
@@ -117,9 +120,6 @@ def _stand_ins(tree: Any) -> Any:
                                         weak_type=getattr(x, "weak_type", False))
         return x
     return jax.tree.map(one, tree)
-#: The built-in policy the automatic mode compiles as a candidate of its own, on the whole
-#: loss: what users of every JAX library can do without editing the model.
-LOSS_POLICY = "dots_saveable"
 
 
 class Lowered:
