@@ -13,17 +13,7 @@ import pytest
 
 import jaxmem
 from jaxmem import optimized, plan_cache, strategies
-
-
-def step(ws, x):
-    def loss(ws):
-        h = x
-        for w in ws:
-            h = h + jnp.tanh(jax.nn.gelu(h @ w) * 1.5)
-        return jnp.mean(h ** 2)
-    val, g = jax.value_and_grad(loss)(ws)
-    return [w - 0.1 * d for w, d in zip(ws, g, strict=True)], val
-
+from tests.test_plan_cache import step  # the residual tanh/gelu stack: plans to choose from
 
 WS = [jnp.full((24, 24), 0.03 * (i + 1)) for i in range(3)]
 X = jax.random.normal(jax.random.key(1), (192, 24))
