@@ -475,7 +475,7 @@ class Optimized:
                                      self._options(donate_flat)) \
             if planning and self.offload_state is False else None
         cached = plan_cache.load(key) if key else None
-        # verify="background": the first call runs the unverified auto plan; the candidates
+        # verify="background": the first call runs one unverified candidate; the others
         # compile in a thread beside the next calls (single process only: hosts must run
         # the same program at every step; and only where the thread traces the same way).
         defer = (self.verify == "background" and planning and self.budget is None
@@ -491,7 +491,7 @@ class Optimized:
                                                            kwargs, donated, platform, body,
                                                            loop_plans, loss_ckpt, defer)
             deferred = defer and bool(plan.recompute) and not plan.offload
-            made = plan  # as _verified would have seen it
+            made = plan  # the plan _verified starts from (its donation, its fallback note)
             plan = dataclasses.replace(plan, notes=plan.notes + lean_notes)
             if deferred:
                 plan = dataclasses.replace(plan, notes=plan.notes + (
@@ -504,8 +504,7 @@ class Optimized:
         # figures are the ones the budget was checked against).
         nothing = (self.budget is not None and not (plan.recompute or plan.offload)
                    and body is None and not plan.inner)
-        jitted = (plain if (plan.strategy == "none" and body is None) or nothing
-                  else loss_ckpt(plan.loss_policy)[0] if plan.loss_policy else jit_plan(plan))
+        jitted = plain if nothing else self._jitted_for(plan, plain, jit_plan, loss_ckpt, body)
         host_state: tuple[int, ...] = ()
         if stream_state:
             jitted, info = state_offload.wrap(jitted, program, (dyn_args, kwargs), flat,
@@ -534,9 +533,11 @@ class Optimized:
 
     @staticmethod
     def _jitted_for(plan: Plan, plain: Any, jit_plan: Callable[[Plan], Any],
-                    loss_ckpt: Callable[..., Any]) -> Any:
-        """The jitted step that runs a verified (no budget, no offload) ``plan``."""
-        if plan.strategy == "none":
+                    loss_ckpt: Callable[..., Any], body: Any = None) -> Any:
+        """The jitted step that runs ``plan``: the plain step, the step with its loss under
+        the built-in policy, or the rewrite. ``body``: a budget's scan-body choice (the
+        step is then traced under it, even with nothing dropped outside the scan)."""
+        if plan.strategy == "none" and body is None:
             return plain
         return loss_ckpt(plan.loss_policy)[0] if plan.loss_policy else jit_plan(plan)
 
