@@ -66,17 +66,18 @@ class _Cancelled(Exception):
     """The interpreter is exiting: a background verification stops."""
 
 
-def _in_background(fn: Callable[[], Any]) -> concurrent.futures.Future:
-    """Run ``fn`` in a thread of its own; its result (or exception) in a future."""
-    fut: concurrent.futures.Future = concurrent.futures.Future()
+_VERIFIER: concurrent.futures.ThreadPoolExecutor | None = None
 
-    def run() -> None:
-        try:
-            fut.set_result(fn())
-        except BaseException as e:  # noqa: BLE001 - delivered to the caller by the future
-            fut.set_exception(e)
-    threading.Thread(target=run, name="jaxmem-verify").start()
-    return fut
+
+def _in_background(fn: Callable[[], Any]) -> concurrent.futures.Future:
+    """Run ``fn`` on the background-verification thread (one for the process, created on
+    first use: verifications queue rather than share the cores); its result in a future.
+    Its worker is joined at exit after :data:`_CANCEL` is set (``_register_atexit`` calls
+    run last-registered first, and concurrent.futures registered before jaxmem)."""
+    global _VERIFIER
+    if _VERIFIER is None:
+        _VERIFIER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxmem-verify")
+    return _VERIFIER.submit(fn)
 
 
 def _thread_sees_context() -> bool:

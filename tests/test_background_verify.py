@@ -1,4 +1,4 @@
-"""verify="background": the first call runs the unverified auto plan, the candidates compile
+"""verify="background": the first call runs one unverified candidate plan, the others compile
 in a thread, and the verified plan takes over once it is ready."""
 
 from __future__ import annotations
