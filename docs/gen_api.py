@@ -31,6 +31,7 @@ SECTIONS: list[tuple[str, str, list[str] | None]] = [
     ("jaxmem.chains", "jaxmem.chains", None),
     ("jaxmem.structure", "jaxmem.structure", None),
     ("jaxmem.strategies", "jaxmem.strategies", None),
+    ("jaxmem.blockwise", "jaxmem.blockwise", None),
     ("jaxmem.budget", "jaxmem.budget",
      ["plan_with_budget", "Candidate", "greedy", "exact", "Pareto", "ParetoRow"]),
     ("jaxmem.rewrite", "jaxmem.rewrite", None),

@@ -481,7 +481,7 @@ _GRAD_PATCH_LOCK = __import__("threading").RLock()
 
 
 @contextlib.contextmanager
-def checkpointed_losses(policy: Any) -> Iterator[list[str]]:
+def checkpointed_losses(policy: Any, per_block: bool = False) -> Iterator[list[str]]:
     """While tracing, differentiate every loss under ``jax.checkpoint(policy=policy)``.
 
     What a user does by hand to save memory without editing the model: ``jax.value_and_grad
@@ -492,8 +492,14 @@ def checkpointed_losses(policy: Any) -> Iterator[list[str]]:
     differentiation started outside any other is wrapped (a gradient taken inside the loss is
     left alone). Yields the names of the losses wrapped: empty when the step calls neither
     (``jax.vjp`` by hand), so the trace is the plain step's.
+
+    ``per_block``: each block of the loss under its own ``jax.checkpoint`` instead
+    (:func:`jaxmem.blockwise.checkpoint_blocks`, blocks from the name stack), as ``nn.remat``
+    around every block does; a loss without blocks runs as written and is not named.
     """
     import functools
+
+    from jaxmem import blockwise
 
     wrapped: list[str] = []
     originals = {"grad": jax.grad, "value_and_grad": jax.value_and_grad}
@@ -503,18 +509,22 @@ def checkpointed_losses(policy: Any) -> Iterator[list[str]]:
         @functools.wraps(orig)
         def transform(fun: Any, *args: Any, **kwargs: Any) -> Any:
             plain = orig(fun, *args, **kwargs)
-            remat = orig(jax.checkpoint(fun, policy=policy), *args, **kwargs)
+            found: list[int | None] = []
+            remat = orig(blockwise.checkpoint_blocks(fun, policy, found) if per_block
+                         else jax.checkpoint(fun, policy=policy), *args, **kwargs)
 
             @functools.wraps(plain)
             def call(*a: Any, **k: Any) -> Any:
                 if depth[0] or under_differentiation():
                     return plain(*a, **k)
-                wrapped.append(getattr(fun, "__name__", type(fun).__name__))
                 depth[0] += 1
                 try:
-                    return remat(*a, **k)
+                    out = remat(*a, **k)
                 finally:
                     depth[0] -= 1
+                if not per_block or (found and found[-1] is not None):
+                    wrapped.append(getattr(fun, "__name__", type(fun).__name__))
+                return out
             return call
         return transform
 

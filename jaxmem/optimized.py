@@ -465,8 +465,9 @@ class Optimized:
         in_tree = jax.tree_util.tree_structure((dyn_args, kwargs))
         plain = self._plain(fn, in_tree, donate_flat)
 
-        def loss_ckpt(policy: str = LOSS_POLICY) -> tuple[Any, list[str]]:
-            return self._loss_checkpointed(fn, in_tree, donate_flat, policy)
+        def loss_ckpt(policy: str = LOSS_POLICY, per_block: bool = False
+                      ) -> tuple[Any, list[str]]:
+            return self._loss_checkpointed(fn, in_tree, donate_flat, policy, per_block)
 
         planning = program.has_backward and self.strategy != "none"
         # The plan cache holds plans; a step that streams its state from host memory decides
@@ -540,7 +541,9 @@ class Optimized:
         step is then traced under it, even with nothing dropped outside the scan)."""
         if plan.strategy == "none" and body is None:
             return plain
-        return loss_ckpt(plan.loss_policy)[0] if plan.loss_policy else jit_plan(plan)
+        if plan.loss_policy:
+            return loss_ckpt(plan.loss_policy, plan.loss_blocks)[0]
+        return jit_plan(plan)
 
     def _options(self, donate_flat: tuple[int, ...]) -> tuple[Any, ...]:
         """What changes the plan besides the program and target: the plan cache's key."""
@@ -724,7 +727,9 @@ class Optimized:
         the compiler the step is for decides. One more candidate is the built-in policy
         itself: the step traced with its loss differentiated under
         ``jax.checkpoint(policy=dots_saveable)`` (``loss_ckpt``), what a user does without
-        editing the model; so the automatic plan is never above it on the step's compiler.
+        editing the model, and the same around each block of the loss (blocks from the name
+        stack, :mod:`jaxmem.blockwise`: what ``nn.remat`` around every block does); so the
+        automatic plan is never above them on the step's compiler.
         If none beats the plain step's compiled peak, the plain step is kept, with a warning
         and a note in the plan.
         """
@@ -738,21 +743,25 @@ class Optimized:
         jitted_all = [plain] + [jit_plan(p) for p in variants]
         thunks = [_cancellable(functools.partial(j.lower, *flat)) for j in jitted_all]
         skipped: tuple[str, ...] = ()
-        if loss_ckpt is not None:
-            loss_jit, wrapped = loss_ckpt()
+        # The built-in policy itself, around the whole loss and around each of its blocks
+        # (nn.remat's per-block dots_saveable, blocks from the name stack): a step whose loss
+        # jax.grad / value_and_grad differentiates gets both as candidates.
+        for per_block in (False, True) if loss_ckpt is not None else ():
+            what = (f"jax.checkpoint(block, policy={LOSS_POLICY}) per block" if per_block
+                    else f"jax.checkpoint(loss, policy={LOSS_POLICY})")
+            loss_jit, wrapped = loss_ckpt(LOSS_POLICY, per_block)
             try:
                 loss_lowered = loss_jit.lower(*flat)
             except Exception as e:  # noqa: BLE001 - jax.checkpoint cannot take this loss
-                skipped = (f"jax.checkpoint(loss, policy={LOSS_POLICY}) not compiled: "
-                           f"{type(e).__name__}: {str(e).splitlines()[0][:160]}",)
-            else:
-                if wrapped:  # the step differentiates a loss (jax.grad / value_and_grad)
-                    variants = [*variants, dataclasses.replace(
-                        strategies.plan_none(analysis), donated=plan.donated,
-                        strategy=f"jax.checkpoint(loss, policy={LOSS_POLICY})",
-                        loss_policy=LOSS_POLICY)]
-                    jitted_all.append(loss_jit)
-                    thunks.append(lambda: loss_lowered)
+                skipped += (f"{what} not compiled: "
+                            f"{type(e).__name__}: {str(e).splitlines()[0][:160]}",)
+                continue
+            if wrapped:  # a differentiated loss (with blocks, per_block) was wrapped
+                variants = [*variants, dataclasses.replace(
+                    strategies.plan_none(analysis), donated=plan.donated, strategy=what,
+                    loss_policy=LOSS_POLICY, loss_blocks=per_block)]
+                jitted_all.append(loss_jit)
+                thunks.append(functools.partial(lambda lowered: lowered, loss_lowered))
         # Side by side in threads, for their figures only (quick_compile): the winner alone
         # is compiled in full to run.
         lowered, exes = quick_compile.compile_all(thunks)
@@ -775,8 +784,10 @@ class Optimized:
                     best, recompute_flops=max(best_fig.flops - base.flops, 0.0),
                     notes=best.notes + (
                         f"the step runs as written, its loss differentiated under "
-                        f"jax.checkpoint(policy=jax.checkpoint_policies.{best.loss_policy}): "
-                        "it compiled lower than jaxmem's rewrites here; the residual table "
+                        f"jax.checkpoint(policy=jax.checkpoint_policies.{best.loss_policy})"
+                        + (" around each block (blocks from the name stack)"
+                           if best.loss_blocks else "") +
+                        ": it compiled lower than jaxmem's rewrites here; the residual table "
                         "above is the step's own, JAX decides what is recomputed",))
             tried = ", ".join(p.strategy for p in variants)
             note = (f"compiled {len(variants)} candidate plan(s) for {best_fig.platform or 'cpu'}"
@@ -831,19 +842,21 @@ class Optimized:
         return _figures(entry.plain, [state_offload.device_view(x) for x in flat])
 
     def _loss_checkpointed(self, fn: Callable[..., Any], in_tree: Any,
-                           donate_flat: tuple[int, ...], policy: str = "dots_saveable"
-                           ) -> tuple[Any, list[str]]:
+                           donate_flat: tuple[int, ...], policy: str = "dots_saveable",
+                           per_block: bool = False) -> tuple[Any, list[str]]:
         """``jax.jit`` of the user's step on flat inputs with every loss it differentiates
         under ``jax.checkpoint(policy=jax.checkpoint_policies.<policy>)``
         (:func:`jaxmem._jax.checkpointed_losses`, applied inside the traced function, so every
         trace of it is the checkpointed one), and the names of the losses wrapped by its
         last trace (empty: the step differentiates nothing through ``jax.grad`` /
-        ``jax.value_and_grad``, and runs as the plain step)."""
+        ``jax.value_and_grad``, and runs as the plain step). ``per_block``: each block of
+        the loss under its own ``jax.checkpoint`` (:mod:`jaxmem.blockwise`); a loss whose
+        name stack gives no blocks is not wrapped then."""
         checkpoint_policy = getattr(jax.checkpoint_policies, policy)
         wrapped: list[str] = []
 
         def checkpointed(*a: Any, **k: Any) -> Any:
-            with _jax.checkpointed_losses(checkpoint_policy) as names:
+            with _jax.checkpointed_losses(checkpoint_policy, per_block) as names:
                 out = fn(*a, **k)
             wrapped[:] = names
             return out

@@ -67,6 +67,9 @@ class Plan:
     # jax.checkpoint(policy=jax.checkpoint_policies.<loss_policy>) (optimize's candidate of
     # the built-in policy itself, jaxmem._jax.checkpointed_losses); nothing is rewritten.
     loss_policy: str | None = None
+    # With loss_policy: each block of the loss under its own jax.checkpoint (blocks from the
+    # name stack, jaxmem.blockwise), as nn.remat around every block does.
+    loss_blocks: bool = False
 
     def fingerprint(self) -> str:
         """A stable hash of what the plan makes the step do: each residual's decision (by
@@ -90,7 +93,8 @@ class Plan:
                        for c in self.choices),
                  self.region_depth, tuple(sorted(self.keep)),
                  None if so is None else (tuple(so.inputs), tuple(so.outputs)),
-                 tuple(p.fingerprint() for p in self.inner), self.loss_policy)
+                 tuple(p.fingerprint() for p in self.inner), self.loss_policy) + (
+                    ("loss_blocks",) if self.loss_blocks else ())
         return hashlib.sha256(repr(parts).encode()).hexdigest()
 
     def of(self, decision: Decision) -> tuple[Choice, ...]:

@@ -32,7 +32,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from jaxmem import chains
+from jaxmem import blockwise, chains
 from jaxmem.analysis import Analysis, Residual
 from jaxmem.costmodel import CostModel, DeviceProfile
 from jaxmem.measure import fmt_bytes
@@ -152,12 +152,16 @@ def auto_candidates(analysis: Analysis, *, max_recompute_fraction: float = 0.05
     1. :func:`plan_auto` (per-layer regions), and its strict variant (a residual may cost 5%
        of its layer's heavy FLOPs, not 50%);
     2. the same drop set re-created per block, at the shallowest block depth
-       (:func:`block_depths`);
+       (:func:`block_depths`), and at the shallowest balanced one if that is deeper;
     3. per-block ``dots_saveable`` as a plan (:func:`plan_blocks` with ``keep_heavy``):
        every cheap value re-created with its block, dropout masks from the key included;
     4. the same with the heavy outputs that are large but cheap to redo (attention scores)
        re-created too, within the FLOP cap (:func:`plan_selective`);
     5. per-block ``dots_saveable`` with the whole step as one block (depth 0).
+
+    (``jaxmem.optimize`` adds two more that are not plans: the step traced with its loss
+    under ``jax.checkpoint(policy=dots_saveable)``, whole and around each block of the name
+    stack, :mod:`jaxmem.blockwise`.)
 
     Candidates whose predicted recompute exceeds ``max_recompute_fraction`` of the step's
     FLOPs, or that drop nothing, are left out; duplicates too. The caller compiles them on
@@ -167,9 +171,14 @@ def auto_candidates(analysis: Analysis, *, max_recompute_fraction: float = 0.05
     strict = plan_auto(analysis, max_recompute_fraction=max_recompute_fraction,
                        max_layer_fraction=0.05)
     out = [auto, strict]
-    depths = block_depths(analysis.program)
-    if depths:
-        d = depths[0]
+    # The shallowest depth with blocks, and the shallowest where no block holds most of the
+    # heavy work (``blocks/0..7`` under an nnx ``blocks`` list) if that is deeper: the first
+    # groups re-creation coarsely (XLA:GPU's choice on the nnx MLP), the second as nn.remat
+    # around every block does.
+    depths = block_depths(analysis.program)[:1]
+    depths += tuple(d for d in block_depths(analysis.program, balanced=True)[:1]
+                    if d not in depths)
+    for d in depths:
         if auto.recompute:
             out.append(dataclasses.replace(
                 auto, strategy=f"auto(regions=blocks at depth {d})", region_depth=d,
@@ -374,17 +383,13 @@ def _merged_label(path: dict[int, str], heavy: list[bool], run: int) -> str:
     return path[run] if heavy[run] else f"{path[run]}#{run}"
 
 
-def block_depths(program: Program) -> tuple[int, ...]:
+def block_depths(program: Program, *, balanced: bool = False) -> tuple[int, ...]:
     """Layer-path depths that split the forward pass into at least three blocks with heavy
-    (matmul/convolution) work, shallowest first."""
-    deepest = max((len(n.layer.split("/")) for n in program.nodes if n.layer), default=0)
-    out = []
-    for d in range(1, deepest + 1):
-        blocks = {"/".join(n.layer.split("/")[:d]) for n in program.nodes
-                  if n.phase == "forward" and n.kind == Kind.HEAVY}
-        if len(blocks) >= 3:
-            out.append(d)
-    return tuple(out)
+    (matmul/convolution) work, shallowest first; ``balanced``: only those where no block
+    holds more than half of it (:func:`jaxmem.blockwise.depths`)."""
+    return blockwise.depths([n.layer.split("/") for n in program.nodes
+                             if n.phase == "forward" and n.kind == Kind.HEAVY],
+                            balanced=balanced)
 
 
 def plan_blocks(analysis: Analysis, depth: int, offload: Iterable[int] = (), *,

@@ -91,7 +91,7 @@ def test_progress_is_logged(caplog):
 
 def test_a_step_without_scans_is_traced_once_per_plan(tmp_path):
     """The step's Python runs once to trace its program (and once more for each of the plain
-    step the plan is verified against and the built-in candidate); a cache hit traces it
+    step the plan is verified against and the two built-in candidates); a cache hit traces it
     once. A scan-body choice, which traces the step under each body policy, is skipped when
     the step has no scan."""
     from benchmarks import zoo
@@ -111,8 +111,8 @@ def test_a_step_without_scans_is_traced_once_per_plan(tmp_path):
     first(state(), w.batch)
     assert first.plan(state(), w.batch).recompute  # the plan runs, not the plain step
     # the program, plain jax.jit for the verifying compile, and the step with its loss under
-    # jax.checkpoint(policy=dots_saveable) (the built-in candidate)
-    assert len(traces) == 3
+    # jax.checkpoint(policy=dots_saveable), whole and per block (the built-in candidates)
+    assert len(traces) == 4
     traces.clear()
     jaxmem.optimize(counted)(state(), w.batch)  # a new object: a plan cache hit
     assert len(traces) == 1

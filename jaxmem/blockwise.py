@@ -1,0 +1,205 @@
+"""Per-block ``jax.checkpoint`` of a loss, its blocks read from the name stack.
+
+What a user gets by editing the model (``nn.remat`` / ``nnx.remat`` / ``eqx.filter_checkpoint``
+around every block, with a policy such as ``dots_saveable``), done to the unedited loss:
+:func:`checkpoint_blocks` traces the loss, cuts its top-level equations into the runs that
+share a layer-path prefix (one *block*: ``blocks/3``, ``Block_3``), and evaluates each run
+under ``jax.checkpoint(policy=...)``. JAX's own partial evaluation then decides what each
+block keeps for the backward pass, exactly as for the edited model; nothing is rewritten by
+jaxmem. ``jaxmem.optimize`` compiles this as one of its candidates (``"jax.checkpoint per
+block"``), so that its automatic plan is never above the per-block built-in policy on the
+step's compiler, where the step's names give blocks.
+
+Blocks are found at the shallowest layer-path depth at which at least three distinct
+prefixes hold a heavy equation (matmul, convolution), none more than half of them
+(:func:`depths`; :func:`jaxmem.strategies.block_depths` cuts a whole program the same way,
+``balanced=True``). Equations outside every block (the embedding's key split, the loss
+head) and equations with effects run as they are.
+A loss whose name stack gives fewer than three blocks is left as it is, and says so
+(:func:`checkpoint_blocks` records ``None``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from jaxmem import _jax
+from jaxmem import primitives as P
+
+__all__ = ["block_depth", "blocks_of", "checkpoint_blocks", "depths"]
+
+#: Fewest blocks worth checkpointing one by one (as ``jaxmem.strategies.block_depths``).
+MIN_BLOCKS = 3
+
+
+def _heavy(eqn: Any) -> bool:
+    """Whether an equation is, or holds, a matmul or a convolution."""
+    if P.classify(eqn.primitive.name) is P.Kind.HEAVY:
+        return True
+    return any(_heavy(e) for j in _jax.sub_jaxprs(eqn) for e in j.eqns)
+
+
+def _key(eqn: Any, depth: int) -> tuple[str, ...] | None:
+    scopes = _jax.scopes(eqn)
+    if len(scopes) < depth or eqn.effects:
+        return None
+    return scopes[:depth]
+
+
+def depths(paths: Sequence[Sequence[str]], *, balanced: bool = True) -> tuple[int, ...]:
+    """The layer-path depths that cut heavy equations at ``paths`` into blocks, shallowest
+    first: at least :data:`MIN_BLOCKS` distinct prefixes (a path shorter than the depth is
+    its own prefix) and, if ``balanced``, none holding more than half of the heavy
+    equations (``blocks`` of ``embed / blocks/0..3 / head`` is a list of blocks, not one).
+
+    Example:
+      >>> paths = [("embed",), *[("blocks", str(i), "up") for i in range(4)], ("head",)]
+      >>> depths(paths), depths(paths, balanced=False)
+      ((2, 3), (1, 2, 3))
+    """
+    paths = [tuple(p) for p in paths]
+    deepest = max((len(p) for p in paths), default=0)
+    out = []
+    for d in range(1, deepest + 1):
+        sizes = Counter(p[:d] for p in paths)
+        if len(sizes) >= MIN_BLOCKS and (not balanced or 2 * max(sizes.values()) <= len(paths)):
+            out.append(d)
+    return tuple(out)
+
+
+def block_depth(jaxpr: Any) -> int | None:
+    """The shallowest of :func:`depths` for ``jaxpr``'s top-level heavy equations (an
+    equation holding a matmul or convolution counts as one); ``None`` if there is none.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> def loss(ws, x):
+      ...     for i, w in enumerate(ws):
+      ...         with jax.named_scope(f"block{i}"):
+      ...             x = x + jnp.tanh(x @ w)
+      ...     return jnp.sum(x ** 2)
+      >>> block_depth(jax.make_jaxpr(loss)([jnp.eye(4)] * 3, jnp.ones((2, 4))).jaxpr)
+      1
+    """
+    found = depths([_jax.scopes(e) for e in jaxpr.eqns if _heavy(e)])
+    return found[0] if found else None
+
+
+def blocks_of(jaxpr: Any, depth: int) -> list[tuple[tuple[str, ...] | None, list[Any]]]:
+    """``jaxpr``'s top-level equations as runs that share a key: a block's layer-path
+    prefix at ``depth``, or ``None`` (outside every block, or an equation with effects)."""
+    runs: list[tuple[tuple[str, ...] | None, list[Any]]] = []
+    for eqn in jaxpr.eqns:
+        k = _key(eqn, depth)
+        if runs and runs[-1][0] == k:
+            runs[-1][1].append(eqn)
+        else:
+            runs.append((k, [eqn]))
+    return runs
+
+
+def _bind(eqn: Any, ins: Sequence[Any], prefix: Any) -> list[Any]:
+    """Bind ``eqn`` on ``ins`` under its traceback and name stack (after ``prefix``)."""
+    with _jax.user_context(eqn.source_info.traceback,
+                           _jax.concat_name_stack(prefix, _jax.name_stack(eqn))):
+        return _jax.bind(eqn, *ins)
+
+
+def _evaluate(closed: Any, args: Sequence[Any], policy: Any, depth: int) -> list[Any]:
+    """Evaluate ``closed`` on ``args`` with each block's run under ``jax.checkpoint``."""
+    jaxpr = closed.jaxpr
+    prefix = _jax.current_name_stack()
+    env: dict[Any, Any] = {}
+
+    def read(x: Any) -> Any:
+        return _jax.literal_value(x) if _jax.is_literal(x) else env[x]
+
+    def write(vs: Sequence[Any], xs: Sequence[Any]) -> None:
+        for v, x in zip(vs, xs, strict=True):
+            if not _jax.is_dropvar(v):
+                env[v] = x
+
+    write(jaxpr.constvars, closed.consts)
+    write(jaxpr.invars, args)
+    runs = blocks_of(jaxpr, depth)
+    # A value a later run or the outputs read is an output of the run that makes it.
+    read_after: list[set[Any]] = [set() for _ in runs]
+    later = {v for v in jaxpr.outvars if not _jax.is_literal(v)}
+    for i in range(len(runs) - 1, -1, -1):
+        read_after[i] = set(later)
+        for eqn in runs[i][1]:
+            later.update(v for v in eqn.invars if not _jax.is_literal(v))
+    for (key, eqns), after in zip(runs, read_after, strict=True):
+        if key is None or not any(_heavy(e) for e in eqns):
+            for eqn in eqns:
+                write(eqn.outvars, _bind(eqn, [read(x) for x in eqn.invars], prefix))
+            continue
+        made: set[Any] = set()
+        ins: list[Any] = []
+        for eqn in eqns:
+            for x in eqn.invars:
+                if not _jax.is_literal(x) and x not in made and x not in ins:
+                    ins.append(x)
+            made.update(v for v in eqn.outvars if not _jax.is_dropvar(v))
+        outs = [v for e in eqns for v in e.outvars if v in after and not _jax.is_dropvar(v)]
+
+        def run(*xs: Any, eqns: list[Any] = eqns, ins: list[Any] = ins,
+                outs: list[Any] = outs) -> list[Any]:
+            local = dict(zip(ins, xs, strict=True))
+
+            def get(x: Any) -> Any:
+                return _jax.literal_value(x) if _jax.is_literal(x) else local[x]
+
+            inner = _jax.current_name_stack()
+            for eqn in eqns:
+                for v, o in zip(eqn.outvars, _bind(eqn, [get(x) for x in eqn.invars], inner),
+                                strict=True):
+                    if not _jax.is_dropvar(v):
+                        local[v] = o
+            return [local[v] for v in outs]
+
+        with _jax.extend_name_stack("/".join(key)):
+            write(outs, jax.checkpoint(run, policy=policy)(*[read(x) for x in ins]))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def checkpoint_blocks(fun: Callable[..., Any], policy: Any,
+                      found: list[int | None] | None = None) -> Callable[..., Any]:
+    """``fun`` with each of its blocks under ``jax.checkpoint(policy=policy)``.
+
+    The same values and derivatives as ``fun``: each block's equations run as traced, and
+    ``jax.checkpoint`` only changes what the backward pass keeps. ``found``: if given, the
+    block depth of each trace is appended to it (``None``: fewer than :data:`MIN_BLOCKS`
+    blocks, and ``fun`` ran as it is).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> def loss(ws, x):
+      ...     for i, w in enumerate(ws):
+      ...         with jax.named_scope(f"block{i}"):
+      ...             x = x + jnp.tanh(x @ w)
+      ...     return jnp.sum(x ** 2)
+      >>> ws, x = [jnp.eye(4) * 0.5] * 3, jnp.ones((2, 4))
+      >>> g = jax.grad(checkpoint_blocks(loss, jax.checkpoint_policies.dots_saveable))(ws, x)
+      >>> bool(jnp.allclose(g[0], jax.grad(loss)(ws, x)[0]))
+      True
+    """
+
+    @functools.wraps(fun)
+    def blocked(*args: Any, **kwargs: Any) -> Any:
+        closed, shape = jax.make_jaxpr(fun, return_shape=True)(*args, **kwargs)
+        depth = block_depth(closed.jaxpr)
+        if found is not None:
+            found.append(depth)
+        if depth is None:
+            return fun(*args, **kwargs)
+        flat = jax.tree_util.tree_leaves((args, kwargs))
+        outs = _evaluate(closed, flat, policy, depth)
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shape), outs)
+
+    return blocked

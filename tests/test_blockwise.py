@@ -1,0 +1,134 @@
+"""jaxmem.blockwise: per-block jax.checkpoint of an unedited loss, blocks from the name stack
+(the automatic mode's candidate of nn.remat(dots_saveable) around every block)."""
+
+from __future__ import annotations
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxmem
+from benchmarks import zoo
+from jaxmem import _jax, blockwise, measure
+
+DOTS = jax.checkpoint_policies.dots_saveable
+
+
+@functools.cache
+def _nnx_mlp():
+    return zoo.make("nnx_mlp")
+
+
+def _remats(jaxpr) -> int:
+    return sum(e.primitive.name == "remat2" for e in jaxpr.eqns)
+
+
+def _blocked(step):
+    def run(*a):
+        with _jax.checkpointed_losses(DOTS, per_block=True):
+            return step(*a)
+    return run
+
+
+def test_same_values_and_gradients_with_one_checkpoint_per_block():
+    """The zoo's nnx MLP (dropout, LayerNorm, adam): the step with each block of its loss
+    under jax.checkpoint gives jit's results; the backward holds one remat per block."""
+    w = _nnx_mlp()
+    with _jax.checkpointed_losses(DOTS, per_block=True) as names:
+        jaxpr = jax.make_jaxpr(w.step)(*w.args)
+    assert names == ["loss_fn"]
+    assert _remats(jaxpr.jaxpr) == w.n_blocks
+    want = jax.jit(w.step)(*w.args)
+    got = jax.jit(_blocked(w.step))(*w.args)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_compiles_like_nnx_remat_around_every_block():
+    """Without editing the model, the same compiled peak (within 2%) as the model edited
+    with nnx.remat(policy=dots_saveable) around each block, on XLA:CPU with the barrier
+    flag, state donated in both."""
+    w = _nnx_mlp()
+    edited = measure.compile(jax.jit(w.with_remat(DOTS).step, donate_argnums=0)
+                             .lower(*w.args))
+    ours = measure.compile(jax.jit(_blocked(w.step), donate_argnums=0).lower(*w.args))
+    a, b = measure.figures(ours).peak, measure.figures(edited).peak
+    assert abs(a - b) <= 0.02 * b, (a, b)
+
+
+def test_optimize_compiles_it_and_stays_at_or_below_it():
+    """optimize's automatic mode compiles the per-block candidate beside its own plans, so
+    its compiled peak is never above the per-block built-in's."""
+    w = _nnx_mlp()
+    opt = jaxmem.optimize(w.step, donate_argnums=0)
+    plan = opt.plan(*w.args)
+    assert any("jax.checkpoint(block, policy=dots_saveable) per block" in n
+               for n in plan.notes), plan.notes
+    ours = measure.figures(measure.compile(
+        jax.jit(_blocked(w.step), donate_argnums=0).lower(*w.args))).peak
+    assert plan.compiled.peak <= ours
+
+
+def test_a_loss_without_blocks_is_left_as_written():
+    """Fewer than three blocks in the name stack: nothing is wrapped, nothing named."""
+    def loss(w, x):
+        return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+    w, x = jnp.eye(4), jnp.ones((2, 4))
+    with _jax.checkpointed_losses(DOTS, per_block=True) as names:
+        jaxpr = jax.make_jaxpr(jax.value_and_grad(loss))(w, x)
+    assert names == [] and _remats(jaxpr.jaxpr) == 0
+
+
+def _scoped(ws, x, effect=False):
+    for i, w in enumerate(ws):
+        with jax.named_scope(f"block{i}"):
+            x = x + jnp.tanh(x @ w)
+            if effect and i == 1:
+                jax.debug.callback(lambda v: None, x)
+    return jnp.sum(x ** 2)
+
+
+def test_block_depth_and_runs():
+    ws, x = [jnp.eye(4) * 0.5] * 3, jnp.ones((2, 4))
+    jaxpr = jax.make_jaxpr(_scoped)(ws, x).jaxpr
+    assert blockwise.block_depth(jaxpr) == 1
+    keys = [k for k, _ in blockwise.blocks_of(jaxpr, 1)]
+    assert keys == [("block0",), ("block1",), ("block2",), None]
+    assert blockwise.block_depth(jax.make_jaxpr(_scoped)(ws[:2], x).jaxpr) is None
+
+
+def test_equations_with_effects_run_outside_the_checkpoints():
+    """A block holding an effect (a debug callback) keeps the effect outside jax.checkpoint
+    and still gives the plain gradients."""
+    ws, x = [jnp.eye(4) * 0.5] * 3, jnp.ones((2, 4))
+    f = blockwise.checkpoint_blocks(functools.partial(_scoped, effect=True), DOTS)
+    want = jax.jit(jax.grad(functools.partial(_scoped, effect=True)))(ws, x)
+    got = jax.jit(jax.grad(f))(ws, x)
+    for a, b in zip(want, got, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+@pytest.mark.parametrize("has_aux", [False, True])
+def test_pytrees_kwargs_and_aux(has_aux):
+    """Pytree arguments, keyword arguments and (loss, aux) outputs pass through."""
+    def loss(params, x, *, scale):
+        for i, w in enumerate(params["ws"]):
+            with jax.named_scope(f"b{i}"):
+                x = jax.nn.relu(x @ w) * scale
+        out = jnp.mean(x ** 2)
+        return (out, {"x": x}) if has_aux else out
+
+    params = {"ws": [jnp.eye(4) * 0.7] * 4}
+    x = jnp.arange(8.0).reshape(2, 4)
+    want = jax.value_and_grad(loss, has_aux=has_aux)(params, x, scale=1.5)
+    found: list = []
+    got = jax.value_and_grad(blockwise.checkpoint_blocks(loss, DOTS, found),
+                             has_aux=has_aux)(params, x, scale=1.5)
+    assert found == [1]
+    chex.assert_trees_all_close(got, want, rtol=1e-6)
