@@ -99,8 +99,10 @@ def _caption(data: dict[str, Any]) -> str:
     where = (f"compiled for {target} without the device (compile-only)"
              if not str(target).startswith("cpu") else
              f"compiled for this machine's CPU ({meta.get('processor', '')})")
+    reruns = "".join(f"; rerun {r.get('date', '')[:10]}: `{r['command']}`, merged"
+                     for r in meta.get("reruns", ()))
     return (f"Figures {where}; jax {meta.get('jax')}, {meta.get('date', '')[:10]}; "
-            f"`{meta.get('command', 'python -m benchmarks')}`. FLOPs: {flops}.")
+            f"`{meta.get('command', 'python -m benchmarks')}`{reruns}. FLOPs: {flops}.")
 
 
 def _signed(x: float, base: float) -> str:

@@ -54,6 +54,8 @@ STRATEGIES = ("auto", "none")
 #: The built-in policy the automatic mode compiles as a candidate of its own, on the whole
 #: loss: what users of every JAX library can do without editing the model.
 LOSS_POLICY = "dots_saveable"
+#: The built-in policies a budget falls back to when jaxmem's own search cannot meet it.
+BUILTIN_POLICIES = ("dots_saveable", "nothing_saveable")
 VERIFY = (True, False, "background")
 log = logging.getLogger("jaxmem")
 #: Set when the interpreter exits: background verifications stop before their next compile
@@ -505,7 +507,7 @@ class Optimized:
         # A budget the plain step already fits drops nothing: run the plain step itself (its
         # figures are the ones the budget was checked against).
         nothing = (self.budget is not None and not (plan.recompute or plan.offload)
-                   and body is None and not plan.inner)
+                   and body is None and not plan.inner and not plan.loss_policy)
         jitted = plain if nothing else self._jitted_for(plan, plain, jit_plan, loss_ckpt, body)
         host_state: tuple[int, ...] = ()
         if stream_state:
@@ -591,21 +593,29 @@ class Optimized:
                 strategy="budget: scan body", budget=body.budget, notes=body.notes)
         elif planning and self.budget is not None:
             auto = plan
-            plan, stream_state = state_offload.with_budget(
-                lambda b: plan_with_budget(
-                    analysis, b, auto=auto,
-                    compile_plan=plan_cache.progress(compile_plan, "budget search"),
-                    compile_plain=plan_cache.progress(compile_plain, "budget search"),
-                    device_peak=lambda p, fig: device_peak(program, p, fig, platform),
-                    offload=self.offload),
-                self.budget, self.offload_state,
-                self.offload_state and state_offload.preview(
-                    program, (dyn_args, kwargs), self.offload_state, flat),
-                lambda: compile_plain().peak, _profile_of(flat))
-            plan = dataclasses.replace(plan, donated=donated,
-                                       notes=plan.notes + (body.notes if body else ()))
-            # the executable the search compiled for the chosen plan runs the first call
-            compiled = exes.get(_rewrite_key(plan) if plan.recompute or plan.offload else None)
+            try:
+                plan, stream_state = state_offload.with_budget(
+                    lambda b: plan_with_budget(
+                        analysis, b, auto=auto,
+                        compile_plan=plan_cache.progress(compile_plan, "budget search"),
+                        compile_plain=plan_cache.progress(compile_plain, "budget search"),
+                        device_peak=lambda p, fig: device_peak(program, p, fig, platform),
+                        offload=self.offload),
+                    self.budget, self.offload_state,
+                    self.offload_state and state_offload.preview(
+                        program, (dyn_args, kwargs), self.offload_state, flat),
+                    lambda: compile_plain().peak, _profile_of(flat))
+            except BudgetError as e:
+                if self.offload_state is not False or loss_ckpt is None:
+                    raise
+                plan, compiled = self._builtin_within(e, analysis, donated, loss_ckpt, flat,
+                                                      compile_plain)
+            else:
+                plan = dataclasses.replace(plan, donated=donated,
+                                           notes=plan.notes + (body.notes if body else ()))
+                # the executable the search compiled for the chosen plan runs the first call
+                compiled = exes.get(_rewrite_key(plan) if plan.recompute or plan.offload
+                                    else None)
         elif planning and (self.offload is True or offload_tagged(analysis)):
             # No budget: values tagged with jaxmem.offload_name are offloaded; offload=True
             # also offloads kept residuals whose round trip hides under compute.
@@ -627,6 +637,48 @@ class Optimized:
             plan, compiled = self._verified_offload(plan, analysis, jit_plan, plain, flat,
                                                     platform)
         return plan, compiled, stream_state
+
+    @staticmethod
+    def _builtin_within(error: BudgetError, analysis: Analysis, donated: tuple[int, ...],
+                        loss_ckpt: Callable[..., Any], flat: Sequence[Any],
+                        compile_plain: Callable[[], Figures]) -> tuple[Plan, Any]:
+        """A budget jaxmem's search cannot meet, tried with JAX's built-in policies: the loss
+        under ``jax.checkpoint(policy=dots_saveable | nothing_saveable)``, around each block
+        of the name stack (what ``nn.remat`` does) and around the whole loss. The one with
+        the fewest FLOPs among those whose compiled peak fits runs; none fits: ``error``
+        again, its minimum the lowest peak found either way."""
+        base = compile_plain()
+        fits, lowest = [], error.minimum_bytes
+        for policy in BUILTIN_POLICIES:
+            for per_block in (True, False):
+                jitted, wrapped = loss_ckpt(policy, per_block)
+                try:
+                    exe = measure.compile(jitted.lower(*flat))
+                except Exception:  # noqa: BLE001 - jax.checkpoint cannot take this loss
+                    continue
+                if not wrapped:  # no differentiated loss, or no blocks in its names
+                    continue
+                fig = _read(exe, jitted, flat)
+                lowest = min(lowest, fig.peak)
+                if fig.peak <= error.requested_bytes:
+                    fits.append((fig.flops, fig.peak, policy, per_block, fig, exe))
+        if not fits:
+            raise BudgetError(
+                f"{error} The loss under JAX's built-in policies (dots_saveable, "
+                f"nothing_saveable; per block and whole) compiled to {fmt_bytes(lowest)} at "
+                "the lowest.", error.requested_bytes, lowest) from error
+        _, _, policy, per_block, fig, exe = min(fits, key=lambda t: t[:2])
+        what = (f"jax.checkpoint(block, policy={policy}) per block" if per_block
+                else f"jax.checkpoint(loss, policy={policy})")
+        note = (f"jaxmem's budget search reached {fmt_bytes(error.minimum_bytes)}, above the "
+                f"budget {fmt_bytes(error.requested_bytes)}; the step runs as written with "
+                f"its loss under {what}, which compiled to {fmt_bytes(fig.peak)}: of JAX's "
+                "built-in policies that fit, the fewest FLOPs")
+        plan = dataclasses.replace(
+            strategies.plan_none(analysis), donated=donated, strategy=f"budget: {what}",
+            loss_policy=policy, loss_blocks=per_block, budget=error.requested_bytes,
+            recompute_flops=max(fig.flops - base.flops, 0.0), notes=(note,))
+        return plan.with_figures(fig, base), exe
 
     def _trace(self, fn: Callable[..., Any], dyn_args: tuple[Any, ...],
                kwargs: dict[str, Any], policy: Any = None) -> tuple[Program, tuple[Any, ...]]:

@@ -132,3 +132,34 @@ def test_pytrees_kwargs_and_aux(has_aux):
                              has_aux=has_aux)(params, x, scale=1.5)
     assert found == [1]
     chex.assert_trees_all_close(got, want, rtol=1e-6)
+
+
+def _refuse(analysis, budget, **kw):
+    from jaxmem.budget import BudgetError, resolve_budget
+    raise BudgetError("search refused (test)", resolve_budget(budget, 10**9), 10**9)
+
+
+def test_a_budget_the_search_misses_falls_back_to_a_builtin_that_fits(monkeypatch):
+    """When jaxmem's budget search cannot meet a budget, the loss under JAX's built-in
+    policies (per block and whole) is compiled; the one with the fewest FLOPs that fits runs,
+    with jit's results. (The search is made to fail here, so that the fallback is what is
+    tested.)"""
+    from jaxmem import optimized
+
+    w = _nnx_mlp()
+    nothing = jax.checkpoint_policies.nothing_saveable
+    edited = measure.figures(measure.compile(
+        jax.jit(w.with_remat(nothing).step, donate_argnums=0).lower(*w.args))).peak
+    monkeypatch.setattr(optimized, "plan_with_budget", _refuse)
+    opt = jaxmem.optimize(w.step, donate_argnums=0, budget=int(edited * 1.01))
+    plan = opt.plan(*w.args)
+    assert plan.loss_policy in optimized.BUILTIN_POLICIES, plan.strategy
+    assert plan.compiled.peak <= int(edited * 1.01)
+    assert "budget search reached" in plan.notes[0]
+    want = jax.jit(w.step)(*jax.tree.map(jnp.copy, w.args))
+    got = opt(*jax.tree.map(jnp.copy, w.args))
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+
+    with pytest.raises(jaxmem.BudgetError, match="built-in policies") as e:
+        jaxmem.optimize(w.step, donate_argnums=0, budget=1000).plan(*w.args)
+    assert e.value.minimum_bytes <= edited * 1.02
