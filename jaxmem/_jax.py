@@ -221,6 +221,15 @@ def user_context(traceback: Any, stack: Any) -> Iterator[None]:
         yield
 
 
+def call_jaxpr(eqn: JaxprEqn) -> ClosedJaxpr:
+    """The closed jaxpr a call equation (:data:`JIT_NAMES`) runs: ``jit``'s ``jaxpr``,
+    ``closed_call``'s ``call_jaxpr`` (what JAX's partial evaluation of a checkpointed loss
+    leaves), or ``core_call``'s open one, closed."""
+    p = eqn.params
+    j = p["jaxpr"] if "jaxpr" in p else p["call_jaxpr"]
+    return j if hasattr(j, "consts") else closed_jaxpr(j)
+
+
 def jit_inlinable(eqn: JaxprEqn) -> bool:
     """A nested ``jit`` can be inlined when it pins no shardings or layouts of its own."""
     p = eqn.params

@@ -253,7 +253,7 @@ class _Builder:
             ins = [self.read(env, x) for x in eqn.invars]
             name = eqn.primitive.name
             if name in _jax.JIT_NAMES and _jax.jit_inlinable(eqn):
-                inner = eqn.params["jaxpr"]
+                inner = _jax.call_jaxpr(eqn)
                 sub_env = dict(zip(inner.jaxpr.invars, ins, strict=True))
                 self.walk(inner.jaxpr, inner.consts, sub_env, stack)
                 for o, io in zip(eqn.outvars, inner.jaxpr.outvars, strict=True):

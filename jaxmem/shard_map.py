@@ -216,11 +216,12 @@ def _rewrite_jaxpr(jaxpr: Any, plan_body: Callable[[Any], Any]) -> tuple[Any, bo
             body = plan_body(eqn)
             if body is not None:
                 new = _with_body(eqn, body)
-        elif eqn.primitive.name in _jax.JIT_NAMES and _has_backward(eqn.params["jaxpr"].jaxpr):
-            inner, sub = _rewrite_jaxpr(eqn.params["jaxpr"].jaxpr, plan_body)
-            if sub:
-                closed = _jax.closed_jaxpr(inner, eqn.params["jaxpr"].consts)
-                new = _jax.replace_params(eqn, dict(eqn.params, jaxpr=closed))
+        elif eqn.primitive.name in _jax.JIT_NAMES and _has_backward(_jax.call_jaxpr(eqn).jaxpr):
+            inner, sub = _rewrite_jaxpr(_jax.call_jaxpr(eqn).jaxpr, plan_body)
+            key = "jaxpr" if "jaxpr" in eqn.params else "call_jaxpr"
+            if sub and hasattr(eqn.params[key], "consts"):  # core_call's open jaxpr: as is
+                closed = _jax.closed_jaxpr(inner, eqn.params[key].consts)
+                new = _jax.replace_params(eqn, dict(eqn.params, **{key: closed}))
         changed |= new is not eqn
         eqns.append(new)
     return (_jax.with_eqns(jaxpr, eqns) if changed else jaxpr), changed

@@ -163,3 +163,20 @@ def test_a_budget_the_search_misses_falls_back_to_a_builtin_that_fits(monkeypatc
     with pytest.raises(jaxmem.BudgetError, match="built-in policies") as e:
         jaxmem.optimize(w.step, donate_argnums=0, budget=1000).plan(*w.args)
     assert e.value.minimum_bytes <= edited * 1.02
+
+
+def test_programs_read_through_closed_call():
+    """``closed_call`` (left by JAX's partial evaluation of some checkpointed losses; its
+    jaxpr is ``call_jaxpr``, not ``jaxpr``) is inlined like jit: FLOPs are counted inside."""
+    from jax._src import core
+
+    from jaxmem.program import from_jaxpr
+
+    args = jnp.eye(4), jnp.ones((2, 4))
+    inner = jax.make_jaxpr(lambda w, x: jnp.tanh(x @ w))(*args)
+    outer = jax.make_jaxpr(jax.jit(lambda w, x: jnp.tanh(x @ w)))(*args)
+    (jit_eqn,) = outer.jaxpr.eqns
+    call = core.new_jaxpr_eqn(jit_eqn.invars, jit_eqn.outvars, core.closed_call_p,
+                              {"call_jaxpr": inner}, jit_eqn.effects, jit_eqn.source_info)
+    closed = _jax.closed_jaxpr(_jax.with_eqns(outer.jaxpr, [call]))
+    assert from_jaxpr(closed).flops == from_jaxpr(inner).flops > 0
