@@ -490,7 +490,7 @@ _GRAD_PATCH_LOCK = __import__("threading").RLock()
 
 
 @contextlib.contextmanager
-def checkpointed_losses(policy: Any, per_block: bool = False) -> Iterator[list[str]]:
+def checkpointed_losses(policy: Any, checkpoint: Any = None) -> Iterator[list[str]]:
     """While tracing, differentiate every loss under ``jax.checkpoint(policy=policy)``.
 
     What a user does by hand to save memory without editing the model: ``jax.value_and_grad
@@ -502,13 +502,12 @@ def checkpointed_losses(policy: Any, per_block: bool = False) -> Iterator[list[s
     left alone). Yields the names of the losses wrapped: empty when the step calls neither
     (``jax.vjp`` by hand), so the trace is the plain step's.
 
-    ``per_block``: each block of the loss under its own ``jax.checkpoint`` instead
-    (:func:`jaxmem.blockwise.checkpoint_blocks`, blocks from the name stack), as ``nn.remat``
-    around every block does; a loss without blocks runs as written and is not named.
+    ``checkpoint(fun, policy, found)``: how to checkpoint the loss instead of
+    ``jax.checkpoint(fun, policy=policy)``, e.g. each block under its own
+    (:func:`jaxmem.blockwise.checkpoint_blocks`); a trace that appends ``None`` to ``found``
+    ran the loss as written, and the loss is not named.
     """
     import functools
-
-    from jaxmem import blockwise
 
     wrapped: list[str] = []
     originals = {"grad": jax.grad, "value_and_grad": jax.value_and_grad}
@@ -519,7 +518,7 @@ def checkpointed_losses(policy: Any, per_block: bool = False) -> Iterator[list[s
         def transform(fun: Any, *args: Any, **kwargs: Any) -> Any:
             plain = orig(fun, *args, **kwargs)
             found: list[int | None] = []
-            remat = orig(blockwise.checkpoint_blocks(fun, policy, found) if per_block
+            remat = orig(checkpoint(fun, policy, found) if checkpoint is not None
                          else jax.checkpoint(fun, policy=policy), *args, **kwargs)
 
             @functools.wraps(plain)
@@ -531,7 +530,7 @@ def checkpointed_losses(policy: Any, per_block: bool = False) -> Iterator[list[s
                     out = remat(*a, **k)
                 finally:
                     depth[0] -= 1
-                if not per_block or (found and found[-1] is not None):
+                if not found or found[-1] is not None:
                     wrapped.append(getattr(fun, "__name__", type(fun).__name__))
                 return out
             return call

@@ -26,6 +26,7 @@ import numpy as np
 from jaxmem import (
     _jax,
     arguments,
+    blockwise,
     measure,
     plan_cache,
     quick_compile,
@@ -908,7 +909,9 @@ class Optimized:
         wrapped: list[str] = []
 
         def checkpointed(*a: Any, **k: Any) -> Any:
-            with _jax.checkpointed_losses(checkpoint_policy, per_block) as names:
+            with _jax.checkpointed_losses(
+                    checkpoint_policy,
+                    blockwise.checkpoint_blocks if per_block else None) as names:
                 out = fn(*a, **k)
             wrapped[:] = names
             return out

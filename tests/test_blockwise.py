@@ -29,7 +29,7 @@ def _remats(jaxpr) -> int:
 
 def _blocked(step):
     def run(*a):
-        with _jax.checkpointed_losses(DOTS, per_block=True):
+        with _jax.checkpointed_losses(DOTS, blockwise.checkpoint_blocks):
             return step(*a)
     return run
 
@@ -38,7 +38,7 @@ def test_same_values_and_gradients_with_one_checkpoint_per_block():
     """The zoo's nnx MLP (dropout, LayerNorm, adam): the step with each block of its loss
     under jax.checkpoint gives jit's results; the backward holds one remat per block."""
     w = _nnx_mlp()
-    with _jax.checkpointed_losses(DOTS, per_block=True) as names:
+    with _jax.checkpointed_losses(DOTS, blockwise.checkpoint_blocks) as names:
         jaxpr = jax.make_jaxpr(w.step)(*w.args)
     assert names == ["loss_fn"]
     assert _remats(jaxpr.jaxpr) == w.n_blocks
@@ -80,7 +80,7 @@ def test_a_loss_without_blocks_is_left_as_written():
         return jnp.sum(jnp.tanh(x @ w) ** 2)
 
     w, x = jnp.eye(4), jnp.ones((2, 4))
-    with _jax.checkpointed_losses(DOTS, per_block=True) as names:
+    with _jax.checkpointed_losses(DOTS, blockwise.checkpoint_blocks) as names:
         jaxpr = jax.make_jaxpr(jax.value_and_grad(loss))(w, x)
     assert names == [] and _remats(jaxpr.jaxpr) == 0
 
