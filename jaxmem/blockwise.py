@@ -113,22 +113,25 @@ def _bind(eqn: Any, ins: Sequence[Any], prefix: Any) -> list[Any]:
         return _jax.bind(eqn, *ins)
 
 
+def _read(env: dict[Any, Any], x: Any) -> Any:
+    return _jax.literal_value(x) if _jax.is_literal(x) else env[x]
+
+
+def _run(eqns: Sequence[Any], env: dict[Any, Any], prefix: Any) -> None:
+    """Bind ``eqns`` in order, reading and writing their values in ``env``."""
+    for eqn in eqns:
+        outs = _bind(eqn, [_read(env, x) for x in eqn.invars], prefix)
+        for v, o in zip(eqn.outvars, outs, strict=True):
+            if not _jax.is_dropvar(v):
+                env[v] = o
+
+
 def _evaluate(closed: Any, args: Sequence[Any], policy: Any, depth: int) -> list[Any]:
     """Evaluate ``closed`` on ``args`` with each block's run under ``jax.checkpoint``."""
     jaxpr = closed.jaxpr
     prefix = _jax.current_name_stack()
-    env: dict[Any, Any] = {}
-
-    def read(x: Any) -> Any:
-        return _jax.literal_value(x) if _jax.is_literal(x) else env[x]
-
-    def write(vs: Sequence[Any], xs: Sequence[Any]) -> None:
-        for v, x in zip(vs, xs, strict=True):
-            if not _jax.is_dropvar(v):
-                env[v] = x
-
-    write(jaxpr.constvars, closed.consts)
-    write(jaxpr.invars, args)
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
     runs = blocks_of(jaxpr, depth)
     # A value a later run or the outputs read is an output of the run that makes it.
     read_after: list[set[Any]] = [set() for _ in runs]
@@ -139,8 +142,7 @@ def _evaluate(closed: Any, args: Sequence[Any], policy: Any, depth: int) -> list
             later.update(v for v in eqn.invars if not _jax.is_literal(v))
     for (key, eqns), after in zip(runs, read_after, strict=True):
         if key is None:
-            for eqn in eqns:
-                write(eqn.outvars, _bind(eqn, [read(x) for x in eqn.invars], prefix))
+            _run(eqns, env, prefix)
             continue
         made: set[Any] = set()
         ins: list[Any] = []
@@ -151,24 +153,16 @@ def _evaluate(closed: Any, args: Sequence[Any], policy: Any, depth: int) -> list
             made.update(v for v in eqn.outvars if not _jax.is_dropvar(v))
         outs = [v for e in eqns for v in e.outvars if v in after and not _jax.is_dropvar(v)]
 
-        def run(*xs: Any, eqns: list[Any] = eqns, ins: list[Any] = ins,
-                outs: list[Any] = outs) -> list[Any]:
+        def block(*xs: Any, eqns: list[Any] = eqns, ins: list[Any] = ins,
+                  outs: list[Any] = outs) -> list[Any]:
             local = dict(zip(ins, xs, strict=True))
-
-            def get(x: Any) -> Any:
-                return _jax.literal_value(x) if _jax.is_literal(x) else local[x]
-
-            inner = _jax.current_name_stack()
-            for eqn in eqns:
-                for v, o in zip(eqn.outvars, _bind(eqn, [get(x) for x in eqn.invars], inner),
-                                strict=True):
-                    if not _jax.is_dropvar(v):
-                        local[v] = o
+            _run(eqns, local, _jax.current_name_stack())
             return [local[v] for v in outs]
 
         with _jax.extend_name_stack("/".join(key)):
-            write(outs, jax.checkpoint(run, policy=policy)(*[read(x) for x in ins]))
-    return [read(v) for v in jaxpr.outvars]
+            env.update(zip(outs, jax.checkpoint(block, policy=policy)(
+                *[_read(env, x) for x in ins]), strict=True))
+    return [_read(env, v) for v in jaxpr.outvars]
 
 
 def checkpoint_blocks(fun: Callable[..., Any], policy: Any,
