@@ -654,11 +654,12 @@ class Optimized:
             for per_block in (True, False):
                 jitted, wrapped = loss_ckpt(policy, per_block)
                 try:
-                    exe = measure.compile(jitted.lower(*flat))
+                    lowered = jitted.lower(*flat)
                 except Exception:  # noqa: BLE001 - jax.checkpoint cannot take this loss
                     continue
-                if not wrapped:  # no differentiated loss, or no blocks in its names
+                if not wrapped:  # no differentiated loss, or no blocks in its names: plain
                     continue
+                exe = measure.compile(lowered)
                 fig = _read(exe, jitted, flat)
                 lowest = min(lowest, fig.peak)
                 if fig.peak <= error.requested_bytes:
