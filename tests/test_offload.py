@@ -50,7 +50,9 @@ def test_offload_name_tags_are_offloaded():
     assert len(off) == 3 and all("offload_name" in c.reason for c in off)
     _check_offloaded(opt, args, len(off))
     out, ref = opt(*args), jax.jit(step)(*args)
-    chex.assert_trees_all_equal(out, ref)
+    # The same arithmetic; the host round trips change XLA:CPU's fusions, and at the tests'
+    # -O0 (conftest.py) the LLVM code of two fusions may round a last bit differently.
+    chex.assert_trees_all_close(out, ref, rtol=1e-6, atol=1e-6)
 
 
 def test_offload_true_without_budget():
@@ -182,7 +184,7 @@ def test_offload_fits_below_what_recompute_reaches():
     from jaxmem.budget import Budget, BudgetError
 
     w = zoo.make("mlp", size="test", abstract=True, depth=8, batch=1024)
-    a = jaxmem.optimize(w.step, donate_argnums=(0,)).analysis(*w.args)
+    a = jaxmem.optimize(w.step, donate_argnums=(0,), verify=False).analysis(*w.args)
     with pytest.raises(BudgetError) as err:
         jaxmem.optimize(w.step, budget=a.argument_bytes + 1, donate_argnums=(0,)).plan(*w.args)
     # minimum_bytes is the lowest compiled peak the (deterministic) search reached, so 90%
