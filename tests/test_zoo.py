@@ -248,3 +248,27 @@ def test_benchmark_quick_cli_writes_json_and_csv(tmp_path):
     md = readme_table.render(data)
     assert "donate_argnums=(0,)" in md
     assert md.count("\n| plain |") == 1 and "| nothing_saveable |" in md
+
+
+def test_match_builtin_table_says_whether_the_budget_met_the_builtin():
+    """``benchmarks.match_builtin``'s table: the budget row is compared with the built-in whose
+    peak it was given (met, at how many FLOPs), or says the budget was not met."""
+    from benchmarks import match_builtin
+
+    def row(model, variant, peak, flops, **kw):
+        return dict(model=model, variant=variant, peak=peak, flops=flops, error=None, **kw)
+
+    meta = dict(command="python -m benchmarks.match_builtin --models a,b", target="cpu",
+                jax="0.10.2", date="2026-12-02T00:00:00", flops_note="XLA's cost_analysis")
+    rows = [row("a", "plain", 100, 10.0), row("a", "nothing_saveable", 40, 13.0),
+            row("a", "jaxmem", 60, 10.4),
+            row("a", "jaxmem(budget=40)", 40, 12.0, matches="nothing_saveable", budget=40,
+                strategy="budget: blocks"),
+            row("b", "plain", 100, 10.0), row("b", "nothing_saveable", 40, 13.0),
+            row("b", "jaxmem", 60, 10.4),
+            dict(row("b", "jaxmem(budget=40)", None, None, matches="nothing_saveable",
+                     budget=40), error="BudgetError: no plan fits")]
+    text = match_builtin.markdown(rows, meta)
+    assert "| a | budget=40 | 40 B | -60.0% | +20.0% | at or below nothing_saveable's peak, " \
+           "FLOPs -7.7% vs it | budget: blocks |" in text
+    assert "| b | budget=40 | - | | | budget not met: BudgetError: no plan fits | |" in text
