@@ -4,6 +4,7 @@ compiled the same way."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from jaxmem import measure
@@ -20,3 +21,8 @@ def fast_compile(lowered: Any) -> Any:
         if "xla_cpu_use_fusion_emitters" not in str(e):
             raise
         return measure.compile(lowered, {"xla_backend_optimization_level": 0})
+
+
+def xla_flags(*extra: str) -> str:
+    """``XLA_FLAGS`` for a subprocess: this process's (conftest.py's -O0) and ``extra``."""
+    return " ".join([os.environ.get("XLA_FLAGS", ""), *extra]).strip()

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._fast_compile import xla_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -25,7 +27,7 @@ def _free_port() -> int:
 def _two_processes(mode: str, timeout: float = 150.0) -> list[dict]:
     """Run tests/_distributed_worker.py as processes 0 and 1 of one job; their results.
     Both are killed at ``timeout`` seconds: a hang fails the test, never CI."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    env = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=2"),
                JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     port = str(_free_port())
     procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "_distributed_worker.py"),
@@ -179,7 +181,7 @@ def test_sharded_and_shard_map_steps_on_8_host_devices():
     (data x model) meshes under jit: the same outputs and output shardings as jax.jit, a
     lower per-device compiled peak; sizes per device on an Explicit mesh; a budget on the
     shard_map step met by its planned body."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    env = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=8"),
                JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     r = subprocess.run([sys.executable, "-c", _EIGHT], env=env, capture_output=True,
                        text=True, timeout=300, cwd=ROOT)

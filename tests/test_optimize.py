@@ -16,6 +16,7 @@ import pytest
 import jaxmem
 from benchmarks.zoo.small import CNN, MLP, DropMLP, make_step
 from jaxmem import measure
+from tests._fast_compile import xla_flags
 
 
 def assert_same(a, b, rtol=1e-6):
@@ -279,7 +280,7 @@ _SHARDED = textwrap.dedent("""
 
 def test_batch_sharded_step_on_8_host_devices():
     """Remat and offload on a batch-sharded step: same outputs and shardings as plain jit."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    env = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=8"),
                JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, "-c", _SHARDED], env=env, capture_output=True,
                        text=True, timeout=300)
