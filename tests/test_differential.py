@@ -17,15 +17,13 @@ import pytest
 from jax import lax
 
 import jaxmem
+from tests._fast_compile import xla_flags
 from tests.difftest import regressions
 from tests.difftest.check import compare, pack, plain_peak
 from tests.difftest.generator import FAMILIES, Op, generate, init, make_step
 from tests.difftest.shrink import ddmin
 
 ROOT = Path(__file__).resolve().parent.parent
-#: XLA:CPU's LLVM back end at -O0 halves compile time; buffer assignment (the memory
-#: figures) is decided before it, and plain jit and jaxmem are compiled with the same flags.
-FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
 def _step(w, x):
@@ -44,7 +42,7 @@ def test_generated_steps_match_jit(tmp_path):
     batch keeps seven packs, one per strategy and the single case, and halves their size
     (docs/testing.md)."""
     out = tmp_path / "diff.json"
-    env = dict(os.environ, XLA_FLAGS=FAST_XLA, JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=xla_flags(), JAX_PLATFORMS="cpu")  # conftest.py's -O0
     r = subprocess.run(
         [sys.executable, "-m", "benchmarks.differential", "--count", "100", "--start", "0",
          "--pack-size", "17", "--max-ops", "3", "--max-compiles", "3", "--out", str(out)],
