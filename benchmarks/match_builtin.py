@@ -47,24 +47,12 @@ def _budget_variant(peak: int) -> str:
     return name
 
 
-def _strategy(w: zoo.Workload, variant: str, target: str) -> str | None:
-    """The plan's strategy for a jaxmem variant (a cache hit: the plan was just compiled)."""
-    if not variant.startswith("jaxmem"):
-        return None
-    args = w.args if target == "cpu" else jaxmem.targets.place(w.args, target)
-    try:
-        return run.VARIANTS[variant](w).plan(*args).strategy
-    except Exception:  # noqa: BLE001 - only a label
-        return None
-
-
 def match_model(name: str, target: str, size: str = "bench") -> list[dict[str, Any]]:
     """The rows of one model (see the module docstring)."""
     w = zoo.make(name, size=size)
     rows = []
     for variant in ("plain", *BUILTINS, "jaxmem"):
         r = dataclasses.asdict(run.measure_variant(w, variant, runs=0, target=target))
-        r["strategy"] = _strategy(w, variant, target)
         rows.append(r)
         print(f"{name:18s} {variant:18s} peak {r['peak']} flops {r['flops']} "
               f"({r['compile_s'] or 0:.0f} s){' ' + r['error'] if r['error'] else ''}",
@@ -78,7 +66,6 @@ def match_model(name: str, target: str, size: str = "bench") -> list[dict[str, A
     t0 = time.perf_counter()
     r = dataclasses.asdict(run.measure_variant(w, _budget_variant(best["peak"]), runs=0,
                                                target=target))
-    r["strategy"] = _strategy(w, r["variant"], target) if not r["error"] else None
     r["matches"] = best["variant"]
     r["budget"] = best["peak"]
     r["seconds"] = time.perf_counter() - t0

@@ -136,6 +136,8 @@ class Result:
     error: str | None = None
     target: str = "cpu"
     flops_source: str = "xla"
+    #: The plan's strategy, for a jaxmem variant (``Plan.strategy``).
+    strategy: str | None = None
 
 
 def _copy(tree: Any) -> Any:
@@ -161,7 +163,8 @@ def measure_variant(w: zoo.Workload, variant: str, runs: int = 3, warmup: int = 
         compiled = measure.compile(jitted.lower(*args))
         r.compile_s = time.perf_counter() - t0
         if hasattr(jitted, "plan"):  # jaxmem.optimize: its plan holds the figures it chose
-            f = jitted.plan(*args).compiled
+            plan = jitted.plan(*args)
+            f, r.strategy = plan.compiled, plan.strategy
         else:
             f = measure.compiled_figures(compiled, jitted, args,
                                          platform=jaxmem.targets.platform_of(args) or "cpu")
