@@ -47,6 +47,12 @@ def _budget_variant(peak: int) -> str:
     return name
 
 
+def _log(name: str, r: dict[str, Any]) -> None:
+    print(f"{name:18s} {r['variant']:18s} peak {r['peak']} flops {r['flops']} "
+          f"({r['compile_s'] or 0:.0f} s){' ' + r['error'] if r['error'] else ''}",
+          file=sys.stderr, flush=True)
+
+
 def match_model(name: str, target: str, size: str = "bench") -> list[dict[str, Any]]:
     """The rows of one model (see the module docstring)."""
     w = zoo.make(name, size=size)
@@ -54,30 +60,19 @@ def match_model(name: str, target: str, size: str = "bench") -> list[dict[str, A
     for variant in ("plain", *BUILTINS, "jaxmem"):
         r = dataclasses.asdict(run.measure_variant(w, variant, runs=0, target=target))
         rows.append(r)
-        print(f"{name:18s} {variant:18s} peak {r['peak']} flops {r['flops']} "
-              f"({r['compile_s'] or 0:.0f} s){' ' + r['error'] if r['error'] else ''}",
-              file=sys.stderr, flush=True)
+        _log(name, r)
     by = {r["variant"]: r for r in rows}
     builtins = [by[b] for b in BUILTINS if by[b]["peak"] is not None]
     best = min(builtins, key=lambda r: r["peak"], default=None)
     auto = by["jaxmem"]
     if best is None or auto["peak"] is None or best["peak"] >= auto["peak"]:
         return rows
-    t0 = time.perf_counter()
     r = dataclasses.asdict(run.measure_variant(w, _budget_variant(best["peak"]), runs=0,
                                                target=target))
-    r["matches"] = best["variant"]
-    r["budget"] = best["peak"]
-    r["seconds"] = time.perf_counter() - t0
-    print(f"{name:18s} {r['variant']} peak {r['peak']} flops {r['flops']} "
-          f"({r['seconds']:.0f} s){' ' + r['error'] if r['error'] else ''}",
-          file=sys.stderr, flush=True)
+    r["matches"], r["budget"] = best["variant"], best["peak"]
+    _log(name, r)
     rows.append(r)
     return rows
-
-
-def _pct(x: float | None, base: float | None) -> str:
-    return "" if x is None or not base else f"{100.0 * (x - base) / base:+.1f}%"
 
 
 def markdown(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
@@ -111,14 +106,14 @@ def markdown(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
                 else:
                     ok = "at or below" if r["peak"] <= b["peak"] else "above"
                     versus = (f"{ok} {r['matches']}'s peak, FLOPs "
-                              f"{_pct(r['flops'], b['flops'])} vs it")
+                              f"{run._pct(r['flops'], b['flops'])} vs it")
                 if r.get("error"):
                     out.append(f"| {m} | budget={r['budget']} | - | | | {versus} | |")
                     continue
             variant = f"budget={r['budget']}" if r.get("matches") else r["variant"]
             out.append(
                 f"| {m} | {variant} | {measure.fmt_bytes(r['peak'])} | "
-                f"{_pct(r['peak'], plain['peak'])} | {_pct(r['flops'], plain['flops'])} | "
+                f"{run._pct(r['peak'], plain['peak'])} | {run._pct(r['flops'], plain['flops'])} | "
                 f"{versus} | {r.get('strategy') or ''} |")
     return "\n".join(out) + "\n"
 
