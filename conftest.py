@@ -9,9 +9,10 @@ import os
 # (libtpu spends seconds looking for a TPU) and the CUDA plugin, failing without a driver,
 # could no longer build topology devices. Subprocesses (examples, CLI) inherit it.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# XLA:CPU's LLVM back end at -O0: compiles take about a third less time. The memory figures
-# the tests compare are fixed before it (buffer assignment), and every variant a test compares
-# is compiled with the same flags. Subprocesses that set XLA_FLAGS themselves add it too.
+# XLA:CPU's LLVM back end at -O0: less compile time (the whole suite: 14% less CPU time,
+# docs/testing.md). The memory figures the tests compare are fixed before it (buffer
+# assignment), and every variant a test compares is compiled with the same flags.
+# Subprocesses inherit it; those that set XLA_FLAGS add theirs (tests._fast_compile.xla_flags).
 FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_XLA}".strip()
 
