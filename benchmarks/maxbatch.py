@@ -294,7 +294,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 size=args.size, tol=args.tol, cap=args.cap,
                 target=str(TARGET) if TARGET is not None else "cpu",
                 seconds=round(time.perf_counter() - t0, 1),
-                compiler_options=measure.compiler_options())
+                compiler_options=measure.compiler_options(
+                    TARGET.platform if TARGET is not None else "cpu"))
     if commands:
         meta["commands"] = [*commands, meta["command"]]
     (args.out / "maxbatch.json").write_text(json.dumps({"meta": meta, "results": rows},
