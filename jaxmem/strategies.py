@@ -157,6 +157,9 @@ def auto_candidates(analysis: Analysis, *, max_recompute_fraction: float = 0.05
        every cheap value re-created with its block, dropout masks from the key included;
     4. the same with the heavy outputs that are large but cheap to redo (attention scores)
        re-created too, within the FLOP cap (:func:`plan_selective`);
+       3 and 4 with light layers (norms, activations) joined to the next block and, where
+       that cuts differently, as blocks of their own (:func:`block_boundaries`): the join
+       is lower on XLA:GPU's ResNet, the other on XLA:CPU's GPT;
     5. per-block ``dots_saveable`` with the whole step as one block (depth 0).
 
     (``jaxmem.optimize`` adds two more that are not plans: the step traced with its loss
@@ -183,8 +186,10 @@ def auto_candidates(analysis: Analysis, *, max_recompute_fraction: float = 0.05
             out.append(dataclasses.replace(
                 auto, strategy=f"auto(regions=blocks at depth {d})", region_depth=d,
                 recompute_flops=recompute_cost(analysis, auto.recompute, d)))
-        out.append(plan_blocks(analysis, d, keep_heavy=True))
-        out.append(plan_selective(analysis, d, max_recompute_fraction=max_recompute_fraction))
+        for join in (True, False):
+            out.append(plan_blocks(analysis, d, keep_heavy=True, join_light=join))
+            out.append(plan_selective(analysis, d, join_light=join,
+                                      max_recompute_fraction=max_recompute_fraction))
     # 5. the whole step as one block with heavy outputs kept: jax.checkpoint(dots_saveable)
     #    around the whole loss, what users compare against (issue 16's external table).
     out.append(plan_blocks(analysis, 0, keep_heavy=True))
@@ -321,7 +326,8 @@ def _cap_anchor_bytes(analysis: Analysis, candidates: dict[int, Residual],
 
 # --- blocks ---------------------------------------------------------------------------------
 
-def block_boundaries(program: Program, depth: int) -> frozenset[int]:
+def block_boundaries(program: Program, depth: int, *, join_light: bool = True
+                     ) -> frozenset[int]:
     """Forward values made in one block and read in another.
 
     A block is a layer path cut to ``depth`` parts (``"GPT/block3/attn"`` at depth 2 is
@@ -335,7 +341,14 @@ def block_boundaries(program: Program, depth: int) -> frozenset[int]:
     CIFAR ResNet's 29 at batch 72). Backward regions still follow the layer paths
     (:func:`jaxmem.program.region_of`); a light run's backward region re-creates what it
     reads from the heavy output before it. A trailing light run (a loss) stays a block.
+
+    ``join_light=False``: blocks are the cut layer paths alone, each light layer's output a
+    boundary of its own. Which grouping compiles lower depends on the compiler (the join
+    lifts a ResNet on XLA:GPU; a GPT's depth-2 selective plan compiles 2 MB lower on CPU
+    without it), so :func:`auto_candidates` compiles both.
     """
+    if not join_light:
+        return program.crossing("forward", depth)
     block: dict[int, int] = {}      # forward node index -> block id (its run's, merged)
     runs: list[list[int]] = []      # runs of forward nodes with one cut layer path
     heavy: list[bool] = []
@@ -393,7 +406,7 @@ def block_depths(program: Program, *, balanced: bool = False) -> tuple[int, ...]
 
 
 def plan_blocks(analysis: Analysis, depth: int, offload: Iterable[int] = (), *,
-                keep_heavy: bool = False) -> Plan:
+                keep_heavy: bool = False, join_light: bool = True) -> Plan:
     """``jax.checkpoint(policy=nothing_saveable)`` around every block, as a plan.
 
     Keeps only the values that cross block boundaries at ``depth`` (and arguments), and
@@ -410,14 +423,20 @@ def plan_blocks(analysis: Analysis, depth: int, offload: Iterable[int] = (), *,
     ``offload``: boundary values (:func:`block_offload_candidates`) to park in host memory
     instead of keeping them on the device (MaxText's "offload the decoder layer inputs,
     recompute the rest"); each comes back for the block that starts from it.
+
+    ``join_light``: how blocks are cut (:func:`block_boundaries`); offloading needs the
+    default grouping.
     """
     prog = analysis.program
-    boundary = block_boundaries(prog, depth)
+    boundary = block_boundaries(prog, depth, join_light=join_light)
     residual_ids = {r.value for r in analysis.residuals}
     drop = set(chains.stored_values(prog, residual_ids).droppable - boundary)
     if keep_heavy:  # heavy outputs stay anchors: chains start from them
         drop = {v for v in drop if prog.nodes[prog.values[v].producer].kind != Kind.HEAVY}
     off = frozenset(offload)
+    if off and not join_light:
+        raise ValueError("plan_blocks: offload= needs the default block grouping "
+                         "(join_light=True)")
     bad = off - block_offload_candidates(analysis, depth) if off else frozenset()
     if bad:
         raise ValueError(f"values {sorted(bad)} are not block boundary values at depth "
@@ -444,7 +463,7 @@ def plan_blocks(analysis: Analysis, depth: int, offload: Iterable[int] = (), *,
                 for v in sorted(off - residual_ids)]
     dropped = frozenset(c.residual.value for c in choices if c.decision is Decision.RECOMPUTE)
     keep = frozenset(boundary - drop - off)
-    kind = ", heavy kept" if keep_heavy else ""
+    kind = (", heavy kept" if keep_heavy else "") + ("" if join_light else ", light unjoined")
     return Plan(choices=tuple(choices),
                 strategy=f"blocks(depth={depth}{kind}" + (", offload)" if off else ")"),
                 recompute_flops=recompute_cost(analysis, dropped, depth, keep | off),
@@ -452,7 +471,7 @@ def plan_blocks(analysis: Analysis, depth: int, offload: Iterable[int] = (), *,
 
 
 def plan_selective(analysis: Analysis, depth: int, *,
-                   max_recompute_fraction: float = 0.05) -> Plan:
+                   max_recompute_fraction: float = 0.05, join_light: bool = True) -> Plan:
     """Per-block ``dots_saveable`` (:func:`plan_blocks` with ``keep_heavy``), plus the heavy
     outputs that are large but cheap to redo, within a FLOP budget.
 
@@ -463,11 +482,14 @@ def plan_selective(analysis: Analysis, depth: int, *,
     ``max_recompute_fraction`` of the step's FLOPs (checked with :func:`recompute_cost`,
     which replays chains as the rewrite does). A conv or MLP activation costs hundreds of
     FLOPs a byte and is rarely taken; attention scores cost tens.
+
+    ``join_light``: how blocks are cut (:func:`block_boundaries`).
     """
-    base = _keep_masks(analysis, plan_blocks(analysis, depth, keep_heavy=True), depth)
+    base = _keep_masks(analysis, plan_blocks(analysis, depth, keep_heavy=True,
+                                             join_light=join_light), depth)
     prog = analysis.program
     cap = max_recompute_fraction * prog.flops
-    boundary = block_boundaries(prog, depth)
+    boundary = block_boundaries(prog, depth, join_light=join_light)
     residual_ids = {r.value for r in analysis.residuals}
     heavy = [v for v in chains.stored_values(prog, residual_ids).droppable - boundary
              if prog.nodes[prog.values[v].producer].kind == Kind.HEAVY
@@ -487,8 +509,10 @@ def plan_selective(analysis: Analysis, depth: int, *,
         if cost <= cap:
             break
         taken.pop()
+    tag = "" if join_light else ", light unjoined"
     if not taken:
-        return dataclasses.replace(base, strategy=f"selective(depth={depth}, none cheap)")
+        return dataclasses.replace(base,
+                                   strategy=f"selective(depth={depth}{tag}, none cheap)")
     back = set(taken)
     reason = (f"a heavy output cheap to redo for its bytes (selective recompute): inside a "
               f"block (depth {depth}), re-created with it")
@@ -499,7 +523,7 @@ def plan_selective(analysis: Analysis, depth: int, *,
                 for v in sorted(back - listed)]
     dropped = frozenset(c.residual.value for c in choices if c.decision is Decision.RECOMPUTE)
     return dataclasses.replace(
-        base, choices=tuple(choices), strategy=f"selective(depth={depth})",
+        base, choices=tuple(choices), strategy=f"selective(depth={depth}{tag})",
         recompute_flops=recompute_cost(analysis, dropped, depth, keep))
 
 

@@ -414,6 +414,33 @@ def test_light_layers_join_the_next_block():
     _same(jax.jit(w.step)(*w.args), jax.jit(fn)(*jax.tree.leaves(w.args)))
 
 
+def test_auto_candidates_cut_blocks_both_ways():
+    """Which block grouping compiles lower depends on the compiler (the light-layer join
+    lifts XLA:GPU's ResNet, the unjoined cut XLA:CPU's GPT), so the automatic mode compiles
+    both where they differ: ``join_light=False`` is blocks = layer paths alone, its plans
+    are labelled, exact, and offloading with it is refused."""
+    from benchmarks import zoo
+    from jaxmem.rewrite import rewrite
+    from jaxmem.strategies import auto_candidates, block_boundaries, plan_blocks
+
+    w = zoo.make("resnet", size="test")
+    prog = jaxmem.trace(w.step, *w.args)
+    a = from_program(prog)
+    assert block_boundaries(prog, 2, join_light=False) == prog.crossing("forward", 2)
+    names = [p.strategy for p in auto_candidates(a)]
+    assert "blocks(depth=2, heavy kept)" in names, names
+    assert "blocks(depth=2, heavy kept, light unjoined)" in names, names
+    keys = [(p.recompute, p.region_depth, p.keep) for p in auto_candidates(a)]
+    assert len(keys) == len(set(keys))
+    blk = plan_blocks(a, 2, keep_heavy=True, join_light=False)
+    assert blk.keep != plan_blocks(a, 2, keep_heavy=True).keep
+    res = frozenset(r.value for r in a.residuals)
+    fn = rewrite(prog, blk.recompute, residuals=res | blk.keep, region_depth=2)
+    _same(jax.jit(w.step)(*w.args), jax.jit(fn)(*jax.tree.leaves(w.args)))
+    with pytest.raises(ValueError, match="join_light"):
+        plan_blocks(a, 2, offload=list(blk.keep)[:1], join_light=False)
+
+
 @pytest.mark.parametrize("name", ["mlp", "transformer"])
 def test_block_plan_is_exact_and_below_the_auto_plan(zoo_blocks, name):
     """plan_blocks = nothing_saveable around every block, through the joint rewrite: same
