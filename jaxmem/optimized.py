@@ -41,7 +41,7 @@ from jaxmem.budget.pareto import sweep
 from jaxmem.budget.scans import auto_choice, choose_for
 from jaxmem.liveness import liveness
 from jaxmem.losses import logits_notes
-from jaxmem.measure import Figures, fmt_bytes
+from jaxmem.measure import PEAK_TIE, Figures, fmt_bytes, lowest
 from jaxmem.multihost import check_same_plan
 from jaxmem.plan import Decision, Plan
 from jaxmem.policies import utility
@@ -820,12 +820,10 @@ class Optimized:
         # is compiled in full to run.
         lowered, exes = quick_compile.compile_all(thunks)
         base = _read(exes[0], plain, flat)
-        best, best_fig, best_i = None, None, 0
-        for i, (p, jitted, exe) in enumerate(zip(variants, jitted_all[1:], exes[1:],
-                                                 strict=True), 1):
-            fig = _read(exe, jitted, flat)
-            if best_fig is None or (fig.peak, fig.flops) < (best_fig.peak, best_fig.flops):
-                best, best_fig, best_i = p, fig, i
+        figs = [_read(exe, jitted, flat) for jitted, exe in
+                zip(jitted_all[1:], exes[1:], strict=True)]
+        best_i = lowest(figs) + 1
+        best, best_fig = variants[best_i - 1], figs[best_i - 1]
         if best_fig.peak < base.peak:
             best_exe = quick_compile.finish(lowered[best_i], exes[best_i])
             if best_exe is not exes[best_i]:  # figures of what runs: the same, or warned
@@ -845,7 +843,8 @@ class Optimized:
                         "above is the step's own, JAX decides what is recomputed",))
             tried = ", ".join(p.strategy for p in variants)
             note = (f"compiled {len(variants)} candidate plan(s) for {best_fig.platform or 'cpu'}"
-                    f" ({tried}); kept the lowest peak")
+                    f" ({tried}); kept the lowest peak (within {PEAK_TIE:.2%}, the fewest "
+                    "FLOPs)")
             best = dataclasses.replace(best, notes=best.notes + (note,) + skipped)
             return best.with_figures(best_fig, base), best_exe
         none = dataclasses.replace(strategies.plan_none(analysis), donated=plan.donated)

@@ -47,7 +47,7 @@ import jax
 from jaxmem import _jax, measure, strategies, structure, targets
 from jaxmem.analysis import Analysis, from_program
 from jaxmem.costmodel import PROFILES, DeviceProfile
-from jaxmem.measure import Figures, fmt_bytes
+from jaxmem.measure import Figures, fmt_bytes, lowest
 from jaxmem.plan import Choice, Decision, Plan
 from jaxmem.program import Program, from_jaxpr
 from jaxmem.rewrite import apply
@@ -178,11 +178,9 @@ class BodyPlanner:
             return None
         args = _abstract_args(eqn)
         base = _compiled(eqn, _jax.jaxpr_fun(program.jaxpr), args)
-        best = None
-        for plan in cands:
-            fig = _compiled(eqn, apply(program, plan), args)
-            if best is None or (fig.peak, fig.flops) < (best[1].peak, best[1].flops):
-                best = (plan, fig)
+        figs = [_compiled(eqn, apply(program, plan), args) for plan in cands]
+        i = lowest(figs)
+        best = (cands[i], figs[i])
         if best[1].peak >= base.peak:
             self.plans.append(dataclasses.replace(
                 strategies.plan_none(analysis), strategy="shard_map body: none",

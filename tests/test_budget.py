@@ -499,3 +499,22 @@ def test_a_lowest_memory_fit_is_weighed_against_a_block_plan(monkeypatch, source
     plan = plan_with_budget(a, budget, auto=plan_auto(a), compile_plan=fake_compile,
                             solver="greedy", max_compiles=8)
     assert plan.strategy == want, plan.strategy
+
+
+def test_lowest_peak_breaks_near_ties_by_flops():
+    """The automatic mode keeps the lowest compiled peak, but peaks within PEAK_TIE of it
+    are equal and the fewest FLOPs wins (512 bytes of layout noise must not buy +0.7%
+    FLOPs); a peak beyond the tie never wins on FLOPs."""
+    from jaxmem.measure import PEAK_TIE, Figures, lowest
+
+    def fig(peak, flops):
+        return Figures(argument=peak, output=0, temp=0, alias=0, flops=flops)
+
+    low = 38_652_244
+    assert lowest([fig(low + 512, 4.42e9), fig(low, 4.45e9)]) == 0
+    over = low + int(low * PEAK_TIE) + 1
+    assert lowest([fig(over, 1.0), fig(low, 4.45e9)]) == 1
+    assert lowest([fig(low, 2.0), fig(low, 2.0)]) == 0           # first among equals
+    assert lowest([fig(low + 1, 2.0), fig(low, 2.0)]) == 1       # same FLOPs: lower peak
+    with pytest.raises(ValueError, match="no figures"):
+        lowest([])
