@@ -21,7 +21,8 @@ Usage::
 
 Per-model results land in ``OUT/<target>-<size>/<model>.json`` as they finish; the combined
 ``OUT/<target>-<size>.json`` and its markdown table are written at the end (and by
-``table``).
+``table``). ``--variants auto`` reruns one variant: the model's record keeps the others,
+and each variant names the commit it was measured at (``git``).
 """
 
 from __future__ import annotations
@@ -46,6 +47,18 @@ DESCRIPTIONS = {
 }
 
 
+def _commit() -> str | None:
+    """The checkout's short commit, ``+`` if it has uncommitted changes; None outside git."""
+    try:
+        def git(*a: str) -> str:
+            return subprocess.run(["git", *a], capture_output=True, text=True, check=True,
+                                  cwd=Path(__file__).parent).stdout.strip()
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+        return git("rev-parse", "--short", "HEAD") + ("+" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def _measure_one(model: str, size: str, target: str, variants: list[str],
                  path: Path) -> dict[str, Any]:
     """Compile ``model`` under each variant; write the JSON record to ``path`` after each."""
@@ -61,6 +74,12 @@ def _measure_one(model: str, size: str, target: str, variants: list[str],
     rec: dict[str, Any] = {"model": model, "library": w.library, "size": size,
                            "target": target, "description": w.description,
                            "build_s": round(time.perf_counter() - t0, 1), "variants": {}}
+    if path.exists():  # a rerun of some variants keeps the others (each names its commit)
+        old = json.loads(path.read_text())
+        if (old.get("target"), old.get("size")) == (target, size):
+            rec["variants"] = {k: v for k, v in old.get("variants", {}).items()
+                               if k not in variants}
+    commit = _commit()
     args = (w.state, w.batch)
     if target != "cpu":
         args = jaxmem.targets.place(args, target)
@@ -92,6 +111,8 @@ def _measure_one(model: str, size: str, target: str, variants: list[str],
             r["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
             r["traceback"] = traceback.format_exc()[-2000:]
         r["seconds"] = round(time.perf_counter() - t0, 1)
+        if commit:
+            r["git"] = commit
         rec["variants"][v] = r
         path.write_text(json.dumps(rec, indent=1))
         print(f"  {model} {v}: {r.get('peak', r.get('error'))} ({r['seconds']} s)",
