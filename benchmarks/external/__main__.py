@@ -48,12 +48,15 @@ DESCRIPTIONS = {
 
 
 def _commit() -> str | None:
-    """The checkout's short commit, ``+`` if it has uncommitted changes; None outside git."""
+    """The checkout's short commit, ``+`` if its code has uncommitted changes (results under
+    benchmarks/results, which a run writes, and docs do not count); None outside git."""
     try:
         def git(*a: str) -> str:
             return subprocess.run(["git", *a], capture_output=True, text=True, check=True,
                                   cwd=Path(__file__).parent).stdout.strip()
-        dirty = git("status", "--porcelain", "--untracked-files=no")
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ":/",
+                    ":(exclude,top)benchmarks/results", ":(exclude,top)docs",
+                    ":(exclude,top)*.md")
         return git("rev-parse", "--short", "HEAD") + ("+" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return None
