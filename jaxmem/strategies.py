@@ -158,8 +158,8 @@ def auto_candidates(analysis: Analysis, *, max_recompute_fraction: float = 0.05
     4. the same with the heavy outputs that are large but cheap to redo (attention scores)
        re-created too, within the FLOP cap (:func:`plan_selective`);
        3 and 4 with light layers (norms, activations) joined to the next block and, where
-       that cuts differently, as blocks of their own (:func:`block_boundaries`): the join
-       is lower on XLA:GPU's ResNet, the other on XLA:CPU's GPT;
+       that cuts differently, as blocks of their own (:func:`block_boundaries`): the H100
+       target keeps the join on the zoo ResNet, XLA:CPU the other on the zoo GPT;
     5. per-block ``dots_saveable`` with the whole step as one block (depth 0).
 
     (``jaxmem.optimize`` adds two more that are not plans: the step traced with its loss
@@ -186,7 +186,9 @@ def auto_candidates(analysis: Analysis, *, max_recompute_fraction: float = 0.05
             out.append(dataclasses.replace(
                 auto, strategy=f"auto(regions=blocks at depth {d})", region_depth=d,
                 recompute_flops=recompute_cost(analysis, auto.recompute, d)))
-        for join in (True, False):
+        cuts = (True, False) if (block_boundaries(analysis.program, d, join_light=False)
+                                 != block_boundaries(analysis.program, d)) else (True,)
+        for join in cuts:
             out.append(plan_blocks(analysis, d, keep_heavy=True, join_light=join))
             out.append(plan_selective(analysis, d, join_light=join,
                                       max_recompute_fraction=max_recompute_fraction))

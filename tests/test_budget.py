@@ -427,10 +427,11 @@ def test_auto_candidates_cut_blocks_both_ways():
     prog = jaxmem.trace(w.step, *w.args)
     a = from_program(prog)
     assert block_boundaries(prog, 2, join_light=False) == prog.crossing("forward", 2)
-    names = [p.strategy for p in auto_candidates(a)]
+    cands = auto_candidates(a)
+    names = [p.strategy for p in cands]
     assert "blocks(depth=2, heavy kept)" in names, names
     assert "blocks(depth=2, heavy kept, light unjoined)" in names, names
-    keys = [(p.recompute, p.region_depth, p.keep) for p in auto_candidates(a)]
+    keys = [(p.recompute, p.region_depth, p.keep) for p in cands]
     assert len(keys) == len(set(keys))
     blk = plan_blocks(a, 2, keep_heavy=True, join_light=False)
     assert blk.keep != plan_blocks(a, 2, keep_heavy=True).keep
