@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxmem
-from jaxmem import strategies as planning
+from jaxmem.planning import strategies as planning
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,7 +2,7 @@
 
 For each zoo model (bench size): the compiled peak and FLOPs of plain ``jax.jit``, of
 ``nothing_saveable`` around every block (``zoo.make(..., remat_policy=...)``, a model edit),
-and of jaxmem's block plan at every block depth (``jaxmem.plan.plan_blocks`` through the
+and of jaxmem's block plan at every block depth (``jaxmem.planning.plan.plan_blocks`` through the
 joint rewrite, no model edit). Compiled figures only (``jaxmem.measure``: ``argument + output
 + temp - alias``, barrier flag on CPU), train state donated in every variant. This is the
 check behind the "block plan vs nothing_saveable" figures in CHANGELOG.md and the closing
@@ -21,12 +21,13 @@ import jax
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from jaxmem.program import trace  # noqa: E402
+
 from benchmarks import zoo  # noqa: E402
 from jaxmem import measure  # noqa: E402
-from jaxmem.analysis import from_program  # noqa: E402
-from jaxmem.program import trace  # noqa: E402
-from jaxmem.rewrite import rewrite  # noqa: E402
-from jaxmem.strategies import block_depths, plan_blocks  # noqa: E402
+from jaxmem.analyzing.analysis import from_program  # noqa: E402
+from jaxmem.planning.strategies import block_depths, plan_blocks  # noqa: E402
+from jaxmem.rewriting.rewrite import rewrite  # noqa: E402
 
 MiB = 2**20
 

@@ -3,7 +3,7 @@
 For each zoo model: the plain-``jax.jit`` compiled peak, then ``jaxmem.optimize(step,
 budget=f)`` for f in 0.7, 0.5, 0.35 (compiled peak, fits or ``BudgetError`` with the lowest
 peak found, FLOPs overhead by XLA's count, planning time), beside Chen et al.'s sqrt(n)
-segments through jaxmem's rewrite (:func:`jaxmem.budget.plan_segments`, with the segment
+segments through jaxmem's rewrite (:func:`jaxmem.planning.budget.plan_segments`, with the segment
 recomputed per backward region and, ``+persist``, once) and JAX's ``nothing_saveable`` per
 block. Then the ResNet-50-sized planning-time check and the offload table.
 
@@ -36,10 +36,10 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import jaxmem  # noqa: E402
 from benchmarks import zoo  # noqa: E402
 from jaxmem import measure  # noqa: E402
-from jaxmem.analysis import from_program  # noqa: E402
-from jaxmem.budget import Budget, BudgetError, CostModel, plan_segments, plan_with_budget  # noqa: E402
-from jaxmem.rewrite import rewrite  # noqa: E402
-from jaxmem.strategies import plan_auto  # noqa: E402
+from jaxmem.analyzing.analysis import from_program  # noqa: E402
+from jaxmem.planning.budget import Budget, BudgetError, CostModel, plan_segments, plan_with_budget  # noqa: E402
+from jaxmem.planning.strategies import plan_auto  # noqa: E402
+from jaxmem.rewriting.rewrite import rewrite  # noqa: E402
 
 FRACTIONS = (0.7, 0.5, 0.35)
 #: bench-size models of the full run: transformer_scan and nnx_mlp repeat transformer and

@@ -47,7 +47,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 from jaxmem import measure  # noqa: E402
-from jaxmem.chunked import chunked, chunked_cross_entropy  # noqa: E402
+from jaxmem.memory.chunked import chunked, chunked_cross_entropy  # noqa: E402
 
 CHUNKS = (1, 2, 4, 8, 16, 32)
 MiB = 1 << 20

@@ -151,8 +151,9 @@ def zoo_cases(size: str = "bench", per_device: int = 4
 def main(argv: list[str] | None = None) -> None:
     import warnings
 
-    import jaxmem
     from jaxmem.measure import fmt_bytes
+
+    import jaxmem
 
     argv = sys.argv[1:] if argv is None else argv
     size = "small" if "--small" in argv else "bench"

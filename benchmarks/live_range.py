@@ -11,7 +11,7 @@ donation as the benchmarks.
 Variants: ``plain`` (jax.jit), ``dots`` / ``nothing`` (the whole loss under
 ``jax.checkpoint(policy=...)``, external models), ``auto`` (what ``jaxmem.optimize`` runs),
 or the name of one of the automatic mode's candidates (``"blocks(depth=0, heavy kept)"``,
-:func:`jaxmem.strategies.auto_candidates`).
+:func:`jaxmem.planning.strategies.auto_candidates`).
 
 Run:  python -m benchmarks.live_range --model ext:hf_resnet --size bench --target h100 \\
           --variants "plain,dots,auto,blocks(depth=0, heavy kept)"
@@ -47,8 +47,9 @@ def _child(model: str, size: str, target: str, variant: str) -> dict:
     import jax
 
     import jaxmem
-    from jaxmem import measure, strategies
-    from jaxmem.rewrite import apply
+    from jaxmem import measure
+    from jaxmem.planning import strategies
+    from jaxmem.rewriting.rewrite import apply
 
     if model.startswith("ext:"):
         from benchmarks.external import models

@@ -80,10 +80,10 @@ def _workload(depth: int, batch: int, width: int, hidden: int, tag: bool) -> tup
 def run_variant(name: str, depth: int, batch: int, width: int, hidden: int,
                 iters: int) -> dict[str, Any]:
     import jax
+    from jaxmem.measure import figures
 
     import jaxmem
-    from jaxmem.budget import CostModel
-    from jaxmem.measure import figures
+    from jaxmem.planning.budget import CostModel
 
     step, args = _workload(depth, batch, width, hidden, tag=(name == "tagged"))
     out: dict[str, Any] = dict(variant=name, jax=jax.__version__,
@@ -98,7 +98,7 @@ def run_variant(name: str, depth: int, batch: int, width: int, hidden: int,
         if name == "offload_noprefetch":
             opt = jaxmem.optimize(step, offload=True, donate_argnums=())
             plan = opt.plan(*args)
-            from jaxmem.rewrite import rewrite
+            from jaxmem.rewriting.rewrite import rewrite
 
             prog = opt.analysis(*args).program
             res = frozenset(r.value for r in opt.analysis(*args).residuals)

@@ -37,7 +37,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import jaxmem.flax  # noqa: E402
 from jaxmem import measure  # noqa: E402
-from jaxmem.remat import checkpoint  # noqa: E402
+from jaxmem.rewriting.remat import checkpoint  # noqa: E402
 
 SIZES = {
     "test": dict(batch=8, seq=64, d_model=32, heads=4, layers=2,

@@ -32,12 +32,12 @@ from pathlib import Path
 from typing import Any
 
 import jax
+from jaxmem.program import from_jaxpr
 
 import jaxmem
 from benchmarks import zoo
 from jaxmem import measure
-from jaxmem.analysis import from_program
-from jaxmem.program import from_jaxpr
+from jaxmem.analyzing.analysis import from_program
 
 DEFAULT_OUT = Path("benchmarks/results/prediction")
 

@@ -41,7 +41,7 @@ from benchmarks import zoo
 from benchmarks.maxbatch import DONATE, Search, plan_under, search
 from benchmarks.zoo.maxtext_presets import PRESETS
 from jaxmem import measure
-from jaxmem.losses import logits_notes
+from jaxmem.analyzing.losses import logits_notes
 
 DEFAULT_OUT = Path("results/scan_plans")
 

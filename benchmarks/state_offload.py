@@ -8,9 +8,9 @@ at sequence 4096, batch 1, it compiles
 - **plain**: ``jax.jit(step)``, the state donated (jaxmem's baseline compile);
 - **jaxmem**: ``jaxmem.optimize(step)`` (residual recompute, state on the device);
 - **jaxmem + state**: ``jaxmem.optimize(step, offload_state=True)`` (adam's moments in
-  ``pinned_host``, streamed per layer, :mod:`jaxmem.state_offload`);
+  ``pinned_host``, streamed per layer, :mod:`jaxmem.memory.state_offload`);
 - **jaxmem + state + params**: ``offload_state="all"`` (the f32 parameters in host memory
-  too, fetched before each use, :mod:`jaxmem.param_offload`; ``--variants`` picks it);
+  too, fetched before each use, :mod:`jaxmem.memory.param_offload`; ``--variants`` picks it);
 
 and records the compiled device peak (``argument + output + temp - alias``), the host bytes,
 the bytes over the host link per step and their predicted time on the H100 and H200 device
@@ -34,12 +34,12 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from jaxmem.measure import fmt_bytes
 
 import jaxmem
 from benchmarks import zoo
 from jaxmem import measure
-from jaxmem.costmodel import DeviceProfile
-from jaxmem.measure import fmt_bytes
+from jaxmem.analyzing.costmodel import DeviceProfile
 
 VARIANTS = ("plain", "jaxmem", "jaxmem + state", "jaxmem + state + params", "remat",
             "remat + state")

@@ -15,20 +15,27 @@ Public entry points (see README.md and docs/):
 - :mod:`jaxmem.plan_cache` — plans kept across calls, processes and hosts
   (``JAXMEM_PLAN_CACHE_DIR``).
 - :class:`jaxmem.PlanMismatchError` — the processes of a ``jax.distributed`` job planned a
-  step differently (:mod:`jaxmem.multihost` checks every new plan's fingerprint).
+  step differently (:mod:`jaxmem.compiling.multihost` checks every new plan's fingerprint).
 """
 
-from jaxmem import managed_memory, measure, plan_cache, policies, primitives, program, targets
-from jaxmem.analysis import Analysis, Residual, analyze
-from jaxmem.budget import Budget, BudgetError
-from jaxmem.chunked import chunked, chunked_cross_entropy
-from jaxmem.costmodel import DeviceProfile
-from jaxmem.multihost import PlanMismatchError
+from jaxmem import _compat
+from jaxmem.analyzing.analysis import Analysis, Residual, analyze
+from jaxmem.analyzing.costmodel import DeviceProfile
+from jaxmem.analyzing.tags import offload_name
+from jaxmem.compiling import plan_cache
+from jaxmem.compiling.multihost import PlanMismatchError
+from jaxmem.memory import managed_memory
+from jaxmem.memory.chunked import chunked, chunked_cross_entropy
 from jaxmem.optimized import Optimized, optimize, pareto
-from jaxmem.plan import Choice, Decision, Plan
-from jaxmem.program import Program, TraceError, trace
-from jaxmem.remat import Checkpointed, checkpoint
-from jaxmem.tags import offload_name
+from jaxmem.planning.budget import Budget, BudgetError
+from jaxmem.planning.plan import Choice, Decision, Plan
+from jaxmem.rewriting import policies
+from jaxmem.rewriting.remat import Checkpointed, checkpoint
+from jaxmem.tracing import primitives, program
+from jaxmem.tracing.program import Program, TraceError, trace
+from jaxmem.xla import measure, targets
+
+_compat.install()  # the module paths of 0.1 (jaxmem.measure, jaxmem.strategies, ...)
 
 __version__ = "0.1.0.dev0"
 

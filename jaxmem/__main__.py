@@ -105,7 +105,7 @@ def _register_managed_memory(subparsers: Subparsers) -> None:
 
 
 def _cmd_managed_memory(args: argparse.Namespace) -> int:
-    from jaxmem import managed_memory as mm
+    from jaxmem.memory import managed_memory as mm
 
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
@@ -434,7 +434,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if loaded is None:
         return 2
     step, step_args, label = loaded
-    from jaxmem.measure import fmt_bytes
+    from jaxmem.xla.measure import fmt_bytes
 
     opt = _optimized(step, args)
     plan = _plan_or_error(opt, step_args, "bench")

@@ -264,7 +264,8 @@ def shards(aval: Any) -> int:
     return n
 
 
-# --- jaxpr surgery (jaxmem.shard_map) ------------------------------------------------------
+# --- jaxpr surgery (jaxmem.compiling.shard_map)
+# ------------------------------------------------------
 
 def closed_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any] = ()) -> ClosedJaxpr:
     return ClosedJaxpr(jaxpr, list(consts))
@@ -416,7 +417,8 @@ def device_space() -> Any:
     return jax.memory.Space.Device
 
 
-# --- jaxmem.checkpoint (jaxmem.remat) -----------------------------------------------------
+# --- jaxmem.checkpoint (jaxmem.rewriting.remat)
+# -----------------------------------------------------
 
 def current_name_stack() -> Any:
     """The name stack JAX is binding under right now (outer transforms and scopes)."""
@@ -504,7 +506,8 @@ def checkpointed_losses(policy: Any, checkpoint: Any = None) -> Iterator[list[st
 
     ``checkpoint(fun, policy, found)``: how to checkpoint the loss instead of
     ``jax.checkpoint(fun, policy=policy)``, e.g. each block under its own
-    (:func:`jaxmem.blockwise.checkpoint_blocks`); a trace that appends ``None`` to ``found``
+    (:func:`jaxmem.rewriting.blockwise.checkpoint_blocks`); a trace that appends ``None`` to
+    ``found``
     ran the loss as written, and the loss is not named.
     """
     import functools

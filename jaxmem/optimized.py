@@ -4,7 +4,7 @@ The last box of the data flow: trace the step, analyse it, plan, rewrite the joi
 jit the result and compile it the jaxmem way (:func:`jaxmem.measure.compile`: barrier flag on
 CPU), then check XLA's figures against the plan. Plans and executables are cached per
 argument shapes, dtypes, shardings and static arguments, like ``jax.jit``'s cache. The
-budget search (:mod:`jaxmem.budget`) gets its compiles from here as callbacks; so does
+budget search (:mod:`jaxmem.planning.budget`) gets its compiles from here as callbacks; so does
 :func:`pareto`, which runs ``optimize`` at each budget.
 """
 
@@ -23,33 +23,41 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxmem import (
-    _jax,
-    arguments,
-    blockwise,
-    measure,
-    plan_cache,
-    quick_compile,
-    state_offload,
-    strategies,
-    structure,
-    targets,
+from jaxmem import _jax
+from jaxmem.analyzing.analysis import Analysis, from_program
+from jaxmem.analyzing.liveness import liveness
+from jaxmem.analyzing.losses import logits_notes
+from jaxmem.analyzing.tags import offload_tagged, offload_tags_out_of_reach
+from jaxmem.compiling import plan_cache, quick_compile
+from jaxmem.compiling.multihost import check_same_plan
+from jaxmem.compiling.scan_budget import auto_choice, choose_for
+from jaxmem.compiling.shard_map import BodyPlanner, plan_bodies
+from jaxmem.memory import state_offload
+from jaxmem.planning import strategies
+from jaxmem.planning.budget import (
+    BudgetError,
+    Pareto,
+    parse_budget,
+    plan_with_budget,
+    resolve_budget,
 )
-from jaxmem.analysis import Analysis, from_program
-from jaxmem.budget import BudgetError, Pareto, parse_budget, plan_with_budget, resolve_budget
-from jaxmem.budget.pareto import sweep
-from jaxmem.budget.scans import auto_choice, choose_for
-from jaxmem.liveness import liveness
-from jaxmem.losses import logits_notes
-from jaxmem.measure import PEAK_TIE, Figures, fmt_bytes, lowest
-from jaxmem.multihost import check_same_plan
-from jaxmem.plan import Decision, Plan
-from jaxmem.policies import utility
-from jaxmem.program import Program, backward_in_units, check_leaves, flat_donated, from_jaxpr, trace
-from jaxmem.rewrite import apply
-from jaxmem.scans import TrainBodies, bodies_only, loop_plan
-from jaxmem.shard_map import BodyPlanner, plan_bodies
-from jaxmem.tags import offload_tagged, offload_tags_out_of_reach
+from jaxmem.planning.budget.pareto import sweep
+from jaxmem.planning.plan import Decision, Plan
+from jaxmem.rewriting import blockwise
+from jaxmem.rewriting.policies import utility
+from jaxmem.rewriting.rewrite import apply
+from jaxmem.rewriting.scans import TrainBodies, bodies_only, loop_plan
+from jaxmem.tracing import arguments, structure
+from jaxmem.tracing.program import (
+    Program,
+    backward_in_units,
+    check_leaves,
+    flat_donated,
+    from_jaxpr,
+    trace,
+)
+from jaxmem.xla import measure, targets
+from jaxmem.xla.measure import PEAK_TIE, Figures, fmt_bytes, lowest
 
 STRATEGIES = ("auto", "none")
 #: The built-in policy the automatic mode compiles as a candidate of its own, on the whole
@@ -339,7 +347,7 @@ class Optimized:
         return entry.jitted.trace(*flat)
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
-        """The :class:`~jaxmem.plan.Plan` for these arguments, with compiled figures."""
+        """The :class:`~jaxmem.planning.plan.Plan` for these arguments, with compiled figures."""
         entry, flat, _ = self._prepare(args, kwargs)
         entry.adopt(wait=True)
         if entry.plan.compiled is None:
@@ -351,7 +359,7 @@ class Optimized:
         return entry.plan
 
     def analysis(self, *args: Any, **kwargs: Any) -> Analysis:
-        """The :class:`~jaxmem.analysis.Analysis` the plan was made from."""
+        """The :class:`~jaxmem.analyzing.analysis.Analysis` the plan was made from."""
         return self._prepare(args, kwargs)[0].analysis
 
     # -- internals --------------------------------------------------------------------------
@@ -441,7 +449,7 @@ class Optimized:
     def _build(self, args: tuple[Any, ...], static: tuple[int, ...], dyn_args: tuple[Any, ...],
                kwargs: dict[str, Any], static_kw: dict[str, Any], leaf_static: Any) -> _Entry:
         fn = self._bound(args, static, static_kw, leaf_static)
-        body = None  # a budget picks the scan bodies' policy too (jaxmem.budget.scans)
+        body = None  # a budget picks the scan bodies' policy too (jaxmem.compiling.scan_budget)
         lean = None  # no budget: a leaner body policy within the FLOP cap, compile-checked
         program, loop_plans = self._trace(fn, dyn_args, kwargs)
         # Only a step that scans can have a body policy to choose: the choice traces the
@@ -775,14 +783,14 @@ class Optimized:
         target; keep the lowest peak, and return its executable with it (the first call
         runs it instead of compiling again).
 
-        The candidates (:func:`jaxmem.strategies.auto_candidates`) drop the same kind of
+        The candidates (:func:`jaxmem.planning.strategies.auto_candidates`) drop the same kind of
         values but group their re-creation differently (per layer, per block, per block
         with every cheap value): which one XLA keeps least of depends on the compiler, so
         the compiler the step is for decides. One more candidate is the built-in policy
         itself: the step traced with its loss differentiated under
         ``jax.checkpoint(policy=dots_saveable)`` (``loss_ckpt``), what a user does without
         editing the model, and the same around each block of the loss (blocks from the name
-        stack, :mod:`jaxmem.blockwise`: what ``nn.remat`` around every block does); so the
+        stack, :mod:`jaxmem.rewriting.blockwise`: what ``nn.remat`` around every block does); so the
         automatic plan is never above them on the step's compiler.
         If none beats the plain step's compiled peak, the plain step is kept, with a warning
         and a note in the plan.
@@ -903,7 +911,7 @@ class Optimized:
         trace of it is the checkpointed one), and the names of the losses wrapped by its
         last trace (empty: the step differentiates nothing through ``jax.grad`` /
         ``jax.value_and_grad``, and runs as the plain step). ``per_block``: each block of
-        the loss under its own ``jax.checkpoint`` (:mod:`jaxmem.blockwise`); a loss whose
+        the loss under its own ``jax.checkpoint`` (:mod:`jaxmem.rewriting.blockwise`); a loss whose
         name stack gives no blocks is not wrapped then."""
         checkpoint_policy = getattr(jax.checkpoint_policies, policy)
         wrapped: list[str] = []
@@ -978,8 +986,8 @@ def _scans(jaxpr: Any) -> bool:
 
 
 def _rewrite_key(plan: Plan) -> Any:
-    """What the rewrite of ``plan`` depends on (:func:`jaxmem.rewrite.apply`): plans equal in
-    it compile to one program."""
+    """What the rewrite of ``plan`` depends on (:func:`jaxmem.rewriting.rewrite.apply`):
+    plans equal in it compile to one program."""
     return (plan.recompute, plan.offload, plan.region_depth, plan.keep,
             frozenset(c.residual.value for c in plan.choices))
 
@@ -1107,7 +1115,7 @@ def optimize(fn: Callable[..., Any] | None = None, *, budget: Any = None,
       max_recompute_fraction: cap on the recompute FLOPs of the ``"auto"`` plan, as a
         fraction of the step's FLOPs (cheapest bytes first).
       verify: compile the automatic mode's candidate plans (the rewrite's, per layer and
-        per block: :func:`jaxmem.strategies.auto_candidates`; and the step with its loss
+        per block: :func:`jaxmem.planning.strategies.auto_candidates`; and the step with its loss
         differentiated under ``jax.checkpoint(policy=dots_saveable)``, what a user can do
         without editing the model) and the plain step on the arguments' target, keep the
         smallest; keep the plain step (with a warning and a note in the plan) if no plan's
@@ -1127,23 +1135,23 @@ def optimize(fn: Callable[..., Any] | None = None, *, budget: Any = None,
         ``jax.checkpoint(policy=jaxmem.policies.utility)`` while tracing, so layers inside a
         scan save only their heavy outputs too (the joint rewrite keeps a scan whole);
         without a budget a leaner body policy within the FLOP cap is compiled beside it and
-        kept when lower (:func:`jaxmem.budget.scans.auto_choice`). With a ``budget``, the
+        kept when lower (:func:`jaxmem.compiling.scan_budget.auto_choice`). With a ``budget``, the
         body's policy is planned too: per value in the layer (MaxText's tagged names, or
         each matmul) keep, recompute or offload, the fewest FLOPs that fit
-        (:mod:`jaxmem.budget.scans`). A ``jax.checkpoint`` policy here is used as given.
+        (:mod:`jaxmem.compiling.scan_budget`). A ``jax.checkpoint`` policy here is used as given.
       offload_state: keep the optimizer state (adam's moments) in ``pinned_host`` memory
         between steps and stream it through the update one layer at a time
-        (:mod:`jaxmem.state_offload`, docs/state_offload.md). ``True``/``"opt"``: the
+        (:mod:`jaxmem.memory.state_offload`, docs/state_offload.md). ``True``/``"opt"``: the
         floating leaves only the update reads; or a predicate ``(path, leaf) -> bool``;
         ``"auto"``: only where a ``budget`` is not met otherwise (the planner weighs the
         state's transfer time against recompute and residual offload); ``"all"``: the
         optimizer state and the parameters, fetched again before each forward and backward
-        use (:mod:`jaxmem.param_offload`).
+        use (:mod:`jaxmem.memory.param_offload`).
       **jit_kwargs: ``keep_unused`` / ``inline``, passed to ``jax.jit``.
 
     Returns:
       An :class:`Optimized`: callable like the step; ``.lower``, ``.trace`` like ``jax.jit``;
-      ``.plan(*args)`` returns the :class:`~jaxmem.plan.Plan` with compiled figures.
+      ``.plan(*args)`` returns the :class:`~jaxmem.planning.plan.Plan` with compiled figures.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxmem

@@ -42,7 +42,7 @@ def main(pid: int, port: str, mode: str) -> dict:
     from jax.sharding import PartitionSpec as P
 
     import jaxmem
-    from jaxmem import strategies
+    from jaxmem.planning import strategies
 
     mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(AxisType.Auto,))
 

@@ -1,5 +1,5 @@
 """Gradient-accumulation loops: a scan or fori_loop whose body is a train step of its own
-(jaxmem.scans.TrainBodies) is planned recursively."""
+(jaxmem.rewriting.scans.TrainBodies) is planned recursively."""
 
 from __future__ import annotations
 

@@ -88,8 +88,8 @@ def test_relu_dead_zero_broadcasts_are_not_residuals():
 def test_values_made_from_constants_are_not_residuals():
     """A broadcast zero (or iota) a backward equation reads is re-derived by XLA inside its
     reader; jaxmem neither counts it as a residual nor keeps it, nor ties a barrier to it."""
-    from jaxmem.analysis import from_program
-    from jaxmem.chains import stored_values
+    from jaxmem.analyzing.analysis import from_program
+    from jaxmem.analyzing.chains import stored_values
 
     def step(w, x):
         def loss(w):

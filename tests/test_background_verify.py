@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import jaxmem
-from jaxmem import optimized, plan_cache, strategies
+from jaxmem import optimized, plan_cache
+from jaxmem.planning import strategies
 from tests.test_plan_cache import step  # the residual tanh/gelu stack: plans to choose from
 
 WS = [jnp.full((24, 24), 0.03 * (i + 1)) for i in range(3)]

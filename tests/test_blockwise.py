@@ -1,4 +1,5 @@
-"""jaxmem.blockwise: per-block jax.checkpoint of an unedited loss, blocks from the name stack
+"""jaxmem.rewriting.blockwise: per-block jax.checkpoint of an unedited loss, blocks from the name
+stack
 (the automatic mode's candidate of nn.remat(dots_saveable) around every block)."""
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import pytest
 
 import jaxmem
 from benchmarks import zoo
-from jaxmem import _jax, blockwise, measure
+from jaxmem import _jax, measure
+from jaxmem.rewriting import blockwise
 
 DOTS = jax.checkpoint_policies.dots_saveable
 
@@ -135,7 +137,7 @@ def test_pytrees_kwargs_and_aux(has_aux):
 
 
 def _refuse(analysis, budget, **kw):
-    from jaxmem.budget import BudgetError, resolve_budget
+    from jaxmem.planning.budget import BudgetError, resolve_budget
     raise BudgetError("search refused (test)", resolve_budget(budget, 10**9), 10**9)
 
 
@@ -169,7 +171,6 @@ def test_programs_read_through_closed_call():
     """``closed_call`` (left by JAX's partial evaluation of some checkpointed losses; its
     jaxpr is ``call_jaxpr``, not ``jaxpr``) is inlined like jit: FLOPs are counted inside."""
     from jax._src import core
-
     from jaxmem.program import from_jaxpr
 
     args = jnp.eye(4), jnp.ones((2, 4))

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import jaxmem
-from jaxmem.analysis import from_program
-from jaxmem.budget import (
+from jaxmem.analyzing.analysis import from_program
+from jaxmem.planning.budget import (
     Budget,
     BudgetError,
     CostModel,
@@ -235,7 +235,8 @@ def test_loop_candidates_are_monotone_and_error_reports_lowest():
     drops a superset of it, and BudgetError carries the lowest compiled peak. (The block
     plans tried last, one region per block, are another family: they keep block inputs.)"""
     from jaxmem.measure import Figures
-    from jaxmem.strategies import plan_auto
+
+    from jaxmem.planning.strategies import plan_auto
 
     step, args = _mlp(depth=6, batch=256)
     a = from_program(jaxmem.trace(step, *args))
@@ -264,7 +265,7 @@ def test_loop_candidates_are_monotone_and_error_reports_lowest():
 
 
 def test_plan_flops_are_the_rewrites_exact_count():
-    from jaxmem.plan import recompute_cost
+    from jaxmem.planning.plan import recompute_cost
 
     step, args = _mlp(depth=6, batch=256)
     a = from_program(jaxmem.trace(step, *args))
@@ -276,7 +277,7 @@ def test_plan_flops_are_the_rewrites_exact_count():
 def test_persist_recomputes_a_segment_once():
     """rewrite(reuse=...) keeps re-created segment values for later backward regions: same
     outputs, fewer re-bound equations; the default replays per region (unchanged)."""
-    from jaxmem.rewrite import rewrite
+    from jaxmem.rewriting.rewrite import rewrite
 
     step, args = _mlp(depth=8, batch=64)
     prog = jaxmem.trace(step, *args)
@@ -299,8 +300,8 @@ def zoo_blocks():
     reordering noise in near-zero gradients) at test size, with block plans compiled."""
     from benchmarks import zoo
     from jaxmem import measure
-    from jaxmem.rewrite import rewrite
-    from jaxmem.strategies import block_depths, plan_auto, plan_blocks
+    from jaxmem.planning.strategies import block_depths, plan_auto, plan_blocks
+    from jaxmem.rewriting.rewrite import rewrite
 
     out = {}
     for name in ("mlp", "transformer"):
@@ -337,9 +338,9 @@ def test_resave_spends_headroom_on_the_cheapest_recompute(zoo_blocks):
     """resave keeps some re-created values again: fewer predicted and compiled FLOPs than
     the block plan, exact outputs, and the bytes it re-saves stay within the headroom."""
     from jaxmem import measure
-    from jaxmem.plan import recompute_cost
-    from jaxmem.rewrite import rewrite
-    from jaxmem.strategies import resave
+    from jaxmem.planning.plan import recompute_cost
+    from jaxmem.planning.strategies import resave
+    from jaxmem.rewriting.rewrite import rewrite
 
     z = zoo_blocks["transformer"]
     blk, a = z["blk"], z["analysis"]
@@ -367,8 +368,8 @@ def test_block_regions_read_kept_values_through_their_barrier():
     forward pass and keep both: on a conv+BN net that is a lower temp, same outputs."""
     from benchmarks import zoo
     from jaxmem import measure
-    from jaxmem.rewrite import rewrite
-    from jaxmem.strategies import plan_blocks
+    from jaxmem.planning.strategies import plan_blocks
+    from jaxmem.rewriting.rewrite import rewrite
 
     w = zoo.make("cnn_bn", size="test")
     prog = jaxmem.trace(w.step, *w.args)
@@ -391,10 +392,11 @@ def test_light_layers_join_the_next_block():
     is no block of its own: the block plan keeps the stem convolution's output and
     re-creates the BatchNorm and ReLU from it, keeping fewer bytes than when each light
     layer's output was a boundary; same outputs as the plain step."""
-    from benchmarks import zoo
     from jaxmem.program import region_of
-    from jaxmem.rewrite import rewrite
-    from jaxmem.strategies import block_boundaries, plan_blocks
+
+    from benchmarks import zoo
+    from jaxmem.planning.strategies import block_boundaries, plan_blocks
+    from jaxmem.rewriting.rewrite import rewrite
 
     w = zoo.make("resnet", size="test")
     prog = jaxmem.trace(w.step, *w.args)
@@ -420,8 +422,8 @@ def test_auto_candidates_cut_blocks_both_ways():
     both where they differ: ``join_light=False`` is blocks = layer paths alone, its plans
     are labelled, exact, and offloading with it is refused."""
     from benchmarks import zoo
-    from jaxmem.rewrite import rewrite
-    from jaxmem.strategies import auto_candidates, block_boundaries, plan_blocks
+    from jaxmem.planning.strategies import auto_candidates, block_boundaries, plan_blocks
+    from jaxmem.rewriting.rewrite import rewrite
 
     w = zoo.make("resnet", size="test")
     prog = jaxmem.trace(w.step, *w.args)
@@ -478,9 +480,10 @@ def test_a_lowest_memory_fit_is_weighed_against_a_block_plan(monkeypatch, source
     """When the search's only fit is greedy's lowest-memory plan (taken because the model
     could not reach its aim: it drops all it can), a block plan is compiled too and the one
     with fewer FLOPs runs; a fit the model aimed for is kept without that extra search."""
-    from jaxmem.budget import search as S
     from jaxmem.measure import Figures
-    from jaxmem.strategies import plan_auto
+
+    from jaxmem.planning.budget import search as S
+    from jaxmem.planning.strategies import plan_auto
 
     step, args = _mlp(depth=6, batch=256)
     a = from_program(jaxmem.trace(step, *args))

@@ -13,7 +13,7 @@ from flax import nnx
 import jaxmem
 import jaxmem.flax
 from jaxmem import measure
-from jaxmem.chunked import chunked, chunked_cross_entropy
+from jaxmem.memory.chunked import chunked, chunked_cross_entropy
 
 RTOL = 1e-5
 

@@ -1,4 +1,4 @@
-"""Cotangents that cross backward regions (jaxmem.rewrite.crossing_cotangents).
+"""Cotangents that cross backward regions (jaxmem.rewriting.rewrite.crossing_cotangents).
 
 A concatenation's cotangent is split among the regions of its pieces; left alone, XLA fuses
 its producer into every reader and keeps the producer's inputs (re-created activations, ReLU
@@ -13,13 +13,13 @@ import functools
 
 import chex
 import jax
+from jaxmem.program import trace
 
 from benchmarks import zoo
 from jaxmem import measure
-from jaxmem.analysis import from_program
-from jaxmem.program import trace
-from jaxmem.rewrite import crossing_cotangents, rewrite
-from jaxmem.strategies import plan_auto
+from jaxmem.analyzing.analysis import from_program
+from jaxmem.planning.strategies import plan_auto
+from jaxmem.rewriting.rewrite import crossing_cotangents, rewrite
 
 
 @functools.cache

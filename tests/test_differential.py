@@ -278,7 +278,8 @@ def _grad_in_scan(ws, x):
 
 def test_grad_inside_scan_is_planned_and_budget_kept():
     """A scan whose body holds its own backward pass is planned as a step of its own
-    (jaxmem.scans.TrainBodies); its results equal jit's, and a budget out of reach is still a
+    (jaxmem.rewriting.scans.TrainBodies); its results equal jit's, and a budget out of reach is
+    still a
     BudgetError, never the plain step above it."""
     ws = jnp.stack([W, W])
     opt = jaxmem.optimize(_grad_in_scan, donate_argnums=())

@@ -106,10 +106,12 @@ for name, (step, ws, x) in D.cases("small").items():
     if name == "shard_map FSDP":  # FSDP's trade-off: re-gathering beat keeping the weights
         assert body.strategy.endswith("re-gather"), str(body)
         assert any(c.residual.primitive == "all_gather" for c in body.of(jaxmem.Decision.RECOMPUTE))
-        from jaxmem import _jax, shard_map as S, strategies
+        from jaxmem import _jax
+        from jaxmem.compiling import shard_map as S
+        from jaxmem.planning import strategies
         eqn = next(e for e in jax.make_jaxpr(step)(ws, x).jaxpr.eqns
                    if S.has_backward_body(e))
-        body_an = jaxmem.analysis.from_program(jaxmem.program.from_jaxpr(
+        body_an = jaxmem.analyzing.analysis.from_program(jaxmem.program.from_jaxpr(
             _jax.closed_jaxpr(eqn.params["jaxpr"])))
         auto = strategies.plan_auto(body_an)
         fast = jaxmem.DeviceProfile("fast", 1e11, 2e10, 1e10, interconnect_bw=1e15)

@@ -9,7 +9,7 @@ import pytest
 import jaxmem
 from benchmarks.zoo import llama
 from jaxmem import measure
-from jaxmem.losses import logits_notes
+from jaxmem.analyzing.losses import logits_notes
 
 
 def _notes(vocab):

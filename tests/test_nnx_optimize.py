@@ -8,11 +8,11 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jaxmem.program import TraceError
 
 import jaxmem
 import jaxmem.flax
 from jaxmem import measure
-from jaxmem.program import TraceError
 
 
 class Net(nnx.Module):

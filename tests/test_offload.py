@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jaxmem
-from jaxmem.budget import offload_name
+from jaxmem.planning.budget import offload_name
 
 
 def _step(tag: bool):
@@ -68,14 +68,14 @@ def test_offload_true_without_budget():
 def test_offload_with_budget_uses_predicted_device_peak():
     step, args = _step(tag=False)
     a = jaxmem.analyze(step, *args)
-    from jaxmem.budget import Budget, DeviceProfile, plan_with_budget
+    from jaxmem.planning.budget import Budget, DeviceProfile, plan_with_budget
 
     fast_link = DeviceProfile("fast-link", 1e11, 2e10, 1e13)  # offload nearly free
     opt = jaxmem.optimize(step, budget=Budget(0.8, profile=fast_link), offload="auto",
                           donate_argnums=())
     try:
         plan = opt.plan(*args)
-    except jaxmem.budget.BudgetError:
+    except jaxmem.planning.budget.BudgetError:
         pytest.skip("toy step cannot reach 80% on this machine")
     if plan.offload:
         assert any("CPU compile strips host placement" in n for n in plan.notes)
@@ -105,9 +105,9 @@ def _fetch_distances(closed) -> list[int]:
 
 
 def test_prefetch_fetches_one_region_early():
-    from jaxmem.analysis import from_program
-    from jaxmem.budget import offload_tagged
-    from jaxmem.rewrite import rewrite
+    from jaxmem.analyzing.analysis import from_program
+    from jaxmem.planning.budget import offload_tagged
+    from jaxmem.rewriting.rewrite import rewrite
 
     step, args = _step(tag=True)
     prog = jaxmem.trace(step, *args)
@@ -133,10 +133,10 @@ def test_block_plan_offloads_boundary_values():
     it. One pinned_host placement and one fetch per offloaded value in the CUDA lowering, host
     avals in the rewritten jaxpr, outputs identical to the plain step (dropout included)."""
     from benchmarks import zoo
-    from jaxmem.analysis import from_program
-    from jaxmem.chains import backward_regions, chain_start, replay_chain
-    from jaxmem.rewrite import rewrite
-    from jaxmem.strategies import block_depths, block_offload_candidates, plan_blocks
+    from jaxmem.analyzing.analysis import from_program
+    from jaxmem.analyzing.chains import backward_regions, chain_start, replay_chain
+    from jaxmem.planning.strategies import block_depths, block_offload_candidates, plan_blocks
+    from jaxmem.rewriting.rewrite import rewrite
 
     w = zoo.make("transformer", size="test")
     prog = jaxmem.trace(w.loss_and_grads, *w.args)
@@ -181,7 +181,7 @@ def test_offload_fits_below_what_recompute_reaches():
     lets the plan fit; on CPU the fit is checked against the predicted device peak, and every
     offloaded value is placed in pinned_host memory."""
     from benchmarks import zoo
-    from jaxmem.budget import Budget, BudgetError
+    from jaxmem.planning.budget import Budget, BudgetError
 
     w = zoo.make("mlp", size="test", abstract=True, depth=8, batch=1024)
     a = jaxmem.optimize(w.step, donate_argnums=(0,), verify=False).analysis(*w.args)

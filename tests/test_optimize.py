@@ -335,11 +335,12 @@ def test_verify_keeps_the_plain_step_when_no_plan_is_smaller():
 
 def test_dropout_masks_are_kept_narrow():
     """A kept dropout mask is 1 byte per element; unpinned, XLA keeps its 4-byte uniform."""
-    from benchmarks import zoo
-    from jaxmem import strategies as planning
-    from jaxmem.analysis import from_program
     from jaxmem.program import trace
-    from jaxmem.rewrite import narrow_residuals, rewrite
+
+    from benchmarks import zoo
+    from jaxmem.analyzing.analysis import from_program
+    from jaxmem.planning import strategies as planning
+    from jaxmem.rewriting.rewrite import narrow_residuals, rewrite
 
     w = zoo.make("transformer", size="test")
     prog = trace(w.step, *w.args)

@@ -14,7 +14,8 @@ import pytest
 
 import jaxmem
 from benchmarks import zoo
-from jaxmem import measure, param_offload
+from jaxmem import measure
+from jaxmem.memory import param_offload
 from tests.test_state_offload import _adam_mlp  # the same 4-layer adam MLP on the H100 target
 
 
@@ -76,8 +77,9 @@ def test_a_recomputed_embedding_lookup_is_not_fetched_again(monkeypatch):
     """The auto plan recomputes the Llama embedding lookup in the backward (behind the
     rewrite's barriers); each would fetch the whole table. Value numbering finds them the
     same as the first lookup, which they reuse: the table is fetched once per step."""
-    from jaxmem import state_offload
     from jaxmem.program import from_jaxpr
+
+    from jaxmem.memory import state_offload
     seen = {}
     real = state_offload.stream
 

@@ -153,7 +153,7 @@ def test_the_builtin_policy_candidate_runs_and_is_cached(tmp_path, compiles, mon
     lowest (here the rewrite's candidates are replaced by a plan that drops nothing), that
     step runs, with jax.jit's results, and a plan cache hit runs it again without a
     planning compile."""
-    from jaxmem import strategies
+    from jaxmem.planning import strategies
 
     step, state0, batch = _hk_resnet_step()
     monkeypatch.setattr(strategies, "auto_candidates",

@@ -12,8 +12,8 @@ from jax.extend.core import primitives as prims
 
 from benchmarks import policies as bench
 from jaxmem import measure, policies
-from jaxmem.plan import Decision, Plan
-from jaxmem.remat import Checkpointed, checkpoint, parse_bytes
+from jaxmem.planning.plan import Decision, Plan
+from jaxmem.rewriting.remat import Checkpointed, checkpoint, parse_bytes
 
 
 def _rel(a, b):

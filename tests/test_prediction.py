@@ -13,7 +13,8 @@ import pytest
 
 import jaxmem
 from benchmarks import zoo
-from jaxmem import fusion, measure, targets
+from jaxmem import measure, targets
+from jaxmem.analyzing import fusion
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +63,9 @@ def test_fusion_rules_per_platform():
 def test_gpu_gemm_fusions_take_activation_conversions():
     """XLA:GPU's GEMM fusion converts a computed operand to bf16 inside the kernel (the
     attention probabilities), while a weight's bf16 cast is stored; XLA:CPU stores both."""
-    from jaxmem.liveness import materialised
     from jaxmem.program import trace
+
+    from jaxmem.analyzing.liveness import materialised
 
     assert fusion.fuses_into_gemm("convert_element_type", "bfloat16", (False,), "cuda")
     assert not fusion.fuses_into_gemm("convert_element_type", "bfloat16", (True,), "cuda")

@@ -10,8 +10,10 @@ import pytest
 
 import jaxmem
 from benchmarks import zoo
-from jaxmem import measure, plan_cache, quick_compile, strategies
-from jaxmem.rewrite import apply
+from jaxmem import measure, plan_cache
+from jaxmem.compiling import quick_compile
+from jaxmem.planning import strategies
+from jaxmem.rewriting.rewrite import apply
 from tests.test_plan_cache import step  # the residual gelu/tanh MLP step
 
 WS = [jnp.full((32, 32), 0.02 * (i + 1)) for i in range(6)]

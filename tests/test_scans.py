@@ -14,15 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.ad_checkpoint import checkpoint_name
+from jaxmem.program import trace
 
 import jaxmem
 from benchmarks import zoo
 from benchmarks.zoo import llama
 from benchmarks.zoo.maxtext_presets import NAMES
 from jaxmem import _jax, measure
-from jaxmem.budget.scans import choose_for
-from jaxmem.program import trace
-from jaxmem.scans import (
+from jaxmem.compiling.scan_budget import choose_for
+from jaxmem.rewriting.scans import (
     MAXTEXT,
     BodyPolicy,
     BodyValue,

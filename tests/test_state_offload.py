@@ -15,7 +15,8 @@ import pytest
 
 import jaxmem
 from benchmarks import zoo
-from jaxmem import _jax, measure, state_offload, targets
+from jaxmem import _jax, measure, targets
+from jaxmem.memory import state_offload
 
 
 def _leaves_equal(a, b):
@@ -164,8 +165,8 @@ def test_auto_weighs_recompute_against_the_state_on_the_host_link(host_bw, moved
     planned again with the room it frees), and stays when the link is the dearer."""
     import dataclasses
 
-    from jaxmem.analysis import from_program
-    from jaxmem.strategies import plan_none
+    from jaxmem.analyzing.analysis import from_program
+    from jaxmem.planning.strategies import plan_none
 
     step, args = _adam_mlp(layers=2, width=64)
     a = from_program(jaxmem.trace(step, *jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),

@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 
 import jaxmem
-from jaxmem import _jax, measure, plan_cache, program, strategies, structure
+from jaxmem import _jax, measure, plan_cache, program
+from jaxmem.planning import strategies
+from jaxmem.tracing import structure
 
 
 def _grad_step(loss):

@@ -1,6 +1,7 @@
-"""Lean primitive substitutes (jaxmem.substitutes): max-pooling's derivative.
+"""Lean primitive substitutes (jaxmem.rewriting.substitutes): max-pooling's derivative.
 
-The rewrite emits :func:`jaxmem.substitutes.select_and_scatter_add` in place of the primitive
+The rewrite emits :func:`jaxmem.rewriting.substitutes.select_and_scatter_add` in place of the
+primitive
 XLA:CPU expands into int32 iota planes of the pooled input. These tests hold it to the
 primitive's values — bit-identical where pooling windows do not overlap (ties and NaN
 included), equal to float rounding where they do — and check the memory it saves.
@@ -15,8 +16,9 @@ import numpy as np
 import pytest
 from jax import lax
 
-from jaxmem import measure, program, substitutes
-from jaxmem.rewrite import rewrite
+from jaxmem import measure, program
+from jaxmem.rewriting import substitutes
+from jaxmem.rewriting.rewrite import rewrite
 
 
 def _pool_loss(window, strides, padding, op="max"):

@@ -59,7 +59,7 @@ from benchmarks.zoo._common import cross_entropy as _cross_entropy
 from benchmarks.zoo._common import linen_train_step as _linen_train_step
 from benchmarks.zoo._common import token_data as _token_data
 from benchmarks.zoo.maxtext_presets import PRESETS
-from jaxmem.chunked import chunked_cross_entropy
+from jaxmem.memory.chunked import chunked_cross_entropy
 
 __all__ = [
     "BUILDERS",
@@ -129,7 +129,7 @@ class LlamaConfig:
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-5
     dropout: float = 0.0
-    # > 0: the loss is jaxmem.chunked.chunked_cross_entropy over this many token chunks (the
+    # > 0: the loss is jaxmem.memory.chunked.chunked_cross_entropy over this many token chunks (the
     # model returns the normed hidden states and the head; no [tokens, vocab] logits).
     chunk_loss: int = 0
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from jaxmem.chunked import (
+from jaxmem.memory.chunked import (
     _BCAST,
     _DEFAULT,
     _arg_names,

@@ -19,9 +19,9 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jaxmem.arguments import is_nnx_node
 from jaxmem.optimized import Optimized
-from jaxmem.plan import Plan
+from jaxmem.planning.plan import Plan
+from jaxmem.tracing.arguments import is_nnx_node
 
 
 class NnxOptimized:
@@ -55,7 +55,7 @@ class NnxOptimized:
         return out
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
-        """The :class:`~jaxmem.plan.Plan` for these arguments, with compiled figures."""
+        """The :class:`~jaxmem.planning.plan.Plan` for these arguments, with compiled figures."""
         _, static, state, leaves = _split(args, kwargs)
         return self._optimized.plan(static, state, leaves)
 
@@ -65,7 +65,7 @@ class NnxOptimized:
         return self._optimized.lower(static, state, leaves)
 
     def analysis(self, *args: Any, **kwargs: Any) -> Any:
-        """The :class:`~jaxmem.analysis.Analysis` the plan was made from."""
+        """The :class:`~jaxmem.analyzing.analysis.Analysis` the plan was made from."""
         _, static, state, leaves = _split(args, kwargs)
         return self._optimized.analysis(static, state, leaves)
 

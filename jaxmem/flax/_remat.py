@@ -33,7 +33,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxmem import policies
+from jaxmem.rewriting import policies
 
 __all__ = ["linen_intercept", "linen_remat", "named_scopes", "nnx_intercept", "nnx_remat"]
 

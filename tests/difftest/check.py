@@ -25,7 +25,7 @@ plain), on the compiler the plan was made for.
 
 Strategies: ``auto``, ``auto_donate`` (state donated), ``budget`` (int bytes, a fraction
 of plain's peak), ``budget_frac`` (a float fraction), ``offload`` (``offload=True``) and
-``blocks`` (``jaxmem.strategies.plan_blocks`` at each depth, rewritten and jitted).
+``blocks`` (``jaxmem.planning.strategies.plan_blocks`` at each depth, rewritten and jitted).
 """
 
 from __future__ import annotations
@@ -288,9 +288,9 @@ def _explained(plan: Any) -> bool:
 def _check_blocks(step: Callable[..., Any], args: tuple[Any, ...],
                   outputs: Callable[..., None]) -> None:
     """Every block depth's plan, rewritten by jaxmem and jitted, against jax.jit."""
-    from jaxmem.analysis import from_program
-    from jaxmem.rewrite import apply
-    from jaxmem.strategies import block_depths, plan_blocks
+    from jaxmem.analyzing.analysis import from_program
+    from jaxmem.planning.strategies import block_depths, plan_blocks
+    from jaxmem.rewriting.rewrite import apply
 
     program = jaxmem.trace(step, *args)
     if not program.has_backward:

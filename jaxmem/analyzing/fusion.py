@@ -1,0 +1,135 @@
+"""Per-target fusion rules: which elementwise producers XLA duplicates into their consumers.
+
+Part of the liveness model (:mod:`jaxmem.analyzing.liveness`, second box of the data flow). XLA's
+instruction fusion duplicates a cheap elementwise producer into every consumer, backward ones
+included, so such a value never gets a buffer; it refuses to duplicate an *expensive* one
+(``InstructionFusion::IsExpensive``), which is then stored. What counts as expensive depends
+on the backend:
+
+- **XLA:CPU** (and the default): floating-point divide, square roots, exponentials,
+  logarithms, ``tanh``, ``logistic``, ``erf``, powers and the trigonometric functions.
+- **XLA:GPU**: its priority fusion decides with a cost model, not that list, and duplicates
+  any elementwise producer whose operands are in memory into every consumer (re-computing a
+  ``tanh`` or an ``exp`` is cheaper there than writing and re-reading its result). Random
+  bits included: XLA:GPU expands ``RngBitGenerator`` into elementwise hashing, so a dropout
+  mask is re-generated from its key in the backward pass rather than stored.
+
+Some primitives that jaxmem counts as cheap are no elementwise op to XLA:CPU (and TPU) and
+never fuse into their readers: ``random_bits`` on an ``rbg`` key is ``RngBitGenerator``,
+whose bits are a buffer of their own (a dropout mask is then stored as those 32-bit words,
+and the comparison that makes the mask is fused into each reader).
+
+XLA:CPU has no bf16/f16 matmul or convolution: it converts their half-precision operands to
+f32 and computes in f32. Common-subexpression elimination then shares one f32 copy of an
+operand between the forward matmul and the backward ones that read it, so the copy (twice
+the bf16 bytes) lives from the first matmul reading it to the last (:func:`upcast_bytes`).
+
+XLA:CPU also expands max-pooling's gradient (``select_and_scatter_add``) into an argmax
+over the window: one s32 ``iota`` per dimension of the pooled operand, and a variadic
+reduce-window whose outputs are the window maximum and its position, one s32 index per
+dimension (:func:`expansion_bytes`).
+
+XLA:GPU's convolutions (cuDNN) take symmetric padding only: for a convolution padded more on
+one side than the other (a stride-2 ``SAME`` convolution of an even-sized image), XLA pads
+the input explicitly, and the forward convolution and the backward one that reads the same
+input share the padded copy (:func:`padded_bytes`).
+
+The rules are the compilers' own, not a fit to measured peaks.
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["PLATFORMS", "expansion_bytes", "fuses_into_gemm", "is_expensive", "makes_buffer",
+           "normalise_platform", "padded_bytes", "upcast_bytes"]
+
+#: Floating-point primitives XLA's base fusion pass will not duplicate.
+_EXPENSIVE = frozenset({
+    "div", "rem", "sqrt", "rsqrt", "cbrt", "exp", "exp2", "expm1", "log", "log1p", "pow",
+    "tanh", "logistic", "erf", "erfc", "erf_inv", "atan2", "sin", "cos", "tan", "lgamma",
+    "digamma", "random_bits", "threefry2x32",
+})
+
+
+#: The platforms with a rule set of their own; others use the default (CPU) rules.
+PLATFORMS = ("cpu", "cuda", "tpu")
+
+
+def normalise_platform(platform: str | None) -> str:
+    """``"gpu"``/``"cuda"``/``"rocm"`` -> ``"cuda"``; ``None`` -> ``"cpu"``."""
+    p = (platform or "cpu").lower()
+    return "cuda" if p in ("gpu", "cuda", "rocm") else p
+
+
+def is_expensive(primitive: str, dtype: str, platform: str = "cpu") -> bool:
+    """Whether XLA on ``platform`` refuses to duplicate ``primitive`` (with ``dtype``
+    elements) into its consumers."""
+    return primitive in _EXPENSIVE and normalise_platform(platform) != "cuda"
+
+
+def makes_buffer(primitive: str, input_dtypes: tuple[str, ...], platform: str = "cpu") -> bool:
+    """Whether an otherwise fusible primitive is an op of its own to XLA on ``platform`` (its
+    output always has a buffer): ``random_bits`` on an ``rbg``/``unsafe_rbg`` key
+    (``RngBitGenerator``), except on XLA:GPU, which expands it into elementwise code."""
+    return (primitive == "random_bits" and normalise_platform(platform) != "cuda"
+            and any("rbg" in d for d in input_dtypes))
+
+
+def fuses_into_gemm(primitive: str, dtype: str, from_inputs: tuple[bool, ...],
+                    platform: str = "cpu") -> bool:
+    """Whether XLA on ``platform`` fuses ``primitive`` (output ``dtype``) into the matmuls
+    that read it instead of storing it: on XLA:GPU, a conversion to half precision of a
+    value the program computes (attention probabilities cast to bf16), which its Triton
+    GEMM fusion reads in f32 and converts in the kernel. A conversion of a program input
+    (a weight's bf16 cast, shared by the forward and backward matmuls) is stored."""
+    return (normalise_platform(platform) == "cuda" and primitive == "convert_element_type"
+            and dtype in _HALF and not any(from_inputs))
+
+
+#: Primitives XLA:CPU computes in f32 whatever their operands' precision.
+_F32_ONLY_ON_CPU = frozenset({"dot_general", "conv_general_dilated"})
+_HALF = frozenset({"bfloat16", "float16"})
+
+
+def upcast_bytes(primitive: str, dtype: str, nbytes: int, platform: str = "cpu") -> int:
+    """Bytes of the f32 copy XLA on ``platform`` makes of an operand (``dtype``, ``nbytes``)
+    of ``primitive``: twice a half-precision operand of a matmul or convolution on XLA:CPU,
+    else 0."""
+    if (normalise_platform(platform) == "cpu" and primitive in _F32_ONLY_ON_CPU
+            and dtype in _HALF):
+        return 2 * nbytes
+    return 0
+
+
+def expansion_bytes(primitive: str, operand: tuple[int, ...], out: tuple[int, ...],
+                    platform: str = "cpu") -> int:
+    """Working set XLA on ``platform`` adds when it expands ``primitive`` (operand shape
+    ``operand``, result shape ``out``): XLA:CPU's ``select_and_scatter_add`` keeps an s32
+    iota of the operand per dimension and the window maximum with its s32 position per
+    dimension. 0 elsewhere."""
+    if normalise_platform(platform) != "cpu" or primitive != "select_and_scatter_add":
+        return 0
+    rank = len(operand)
+    n_in = int(math.prod(operand))
+    n_out = int(math.prod(out))  # the source (window) shape
+    return 4 * (rank * n_in + (rank + 1) * n_out)
+
+
+def padded_bytes(primitive: str, params: dict, lhs_shape: tuple[int, ...], itemsize: int,
+                 platform: str = "cpu") -> int:
+    """Bytes of the explicitly padded copy of a convolution's input XLA on ``platform``
+    makes: on XLA:GPU, for padding that is not the same on both sides of a spatial
+    dimension. 0 elsewhere."""
+    if primitive != "conv_general_dilated" or normalise_platform(platform) != "cuda":
+        return 0
+    pads = params.get("padding")
+    if not pads or isinstance(pads, str) or all(lo == hi for lo, hi in pads):
+        return 0
+    if any(lo < 0 or hi < 0 for lo, hi in pads):
+        return 0
+    dims = list(lhs_shape)
+    spatial = params["dimension_numbers"].lhs_spec[2:]
+    for d, (lo, hi) in zip(spatial, pads, strict=False):
+        dims[d] += lo + hi
+    return int(math.prod(dims)) * itemsize

@@ -1,0 +1,262 @@
+"""Liveness: which values XLA gives a buffer, how long each lives, the predicted peak.
+
+Part of the second box of the data flow (``Program -> Analysis``): the memory timeline and
+predicted peak of :class:`~jaxmem.analyzing.analysis.Analysis`, and the cost model's and the
+offload estimate's view of what is stored. It models the target compiler: an elementwise or
+layout-only value whose every reader is another elementwise/layout node in the same phase is
+fused away (never materialised), across phases as the backend's fusion duplicates it, with
+the conversions and expansions it adds (:mod:`jaxmem.analyzing.fusion`); nodes run in a scheduler's
+order (:mod:`jaxmem.analyzing.schedule`), and outputs written into donated inputs cost nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import jax
+import numpy as np
+
+from jaxmem import _jax
+from jaxmem.analyzing.fusion import (
+    expansion_bytes,
+    fuses_into_gemm,
+    is_expensive,
+    makes_buffer,
+    padded_bytes,
+    upcast_bytes,
+)
+from jaxmem.analyzing.schedule import schedule
+from jaxmem.tracing.primitives import CHEAP, Kind
+from jaxmem.tracing.program import Node, Program, from_jaxpr
+
+__all__ = ["aliased_outputs", "last_uses", "liveness", "materialised"]
+
+_REDUCTIONS = ("reduce_", "argm", "cum", "reduce_window", "select_and")
+
+
+def _is_reduction(name: str) -> bool:
+    return name.startswith(_REDUCTIONS)
+
+
+def materialised(program: Program, platform: str = "cpu") -> list[bool]:
+    """Per value: whether XLA is expected to give it a buffer of its own (fusion model).
+
+    Non-fusible outputs (matmuls, convolutions, units), reductions and program outputs get a
+    buffer. An elementwise or layout value read only by elementwise nodes is fused into its
+    readers. If a reader sits in another phase (a residual), XLA duplicates the producer there
+    when that needs no extra buffer (every operand is stored, or is itself duplicable) and it
+    is not expensive (a transcendental); otherwise the value is stored.
+    """
+    out_set = set(program.outputs)
+    users = program.users
+    values = program.values
+    mat = [False] * len(values)
+    dup = [False] * len(values)  # fused, and re-creatable from stored values alone
+    for v in values:
+        if v.producer is None or v.nbytes == 0:
+            dup[v.id] = v.producer is None
+            continue
+        node = program.nodes[v.producer]
+        rd = users.get(v.id, ())
+        if not rd:
+            mat[v.id] = v.id in out_set
+            continue
+        if (v.id in out_set or node.kind not in CHEAP or _is_reduction(node.primitive)
+                or makes_buffer(node.primitive, tuple(values[u].dtype for u in node.inputs),
+                                platform)):
+            mat[v.id] = True
+            continue
+        if node.primitive == "device_put" and any(
+                str(values[u].memory_space) != str(v.memory_space) for u in node.inputs):
+            mat[v.id] = True  # a copy to (or from) host memory is a buffer of its own
+            continue
+        avail = (not is_expensive(node.primitive, v.dtype, platform)
+                 and all(mat[a] or dup[a] for a in node.inputs))
+        gemm = fuses_into_gemm(node.primitive, v.dtype,
+                               tuple(values[a].producer is None for a in node.inputs),
+                               platform)
+        for i in rd:
+            u = program.nodes[i]
+            if gemm and u.primitive == "dot_general":
+                continue
+            if (u.kind not in CHEAP or _is_reduction(u.primitive)
+                    or (u.phase != node.phase and not avail)):
+                mat[v.id] = True
+                break
+        dup[v.id] = not mat[v.id] and avail
+    return mat
+
+
+def last_uses(program: Program, mat: Sequence[bool]) -> dict[int, int]:
+    """Value id -> index of the last node that needs it alive (fused readers included)."""
+    last: dict[int, int] = {}
+    for n in program.nodes:
+        for v in n.inputs:
+            last[v] = n.index
+    end = len(program.nodes)
+    for v in program.outputs:
+        last[v] = end
+    # A fused value is recomputed inside each reader, so its own inputs must live as long.
+    for v in reversed(program.values):
+        if v.producer is None or mat[v.id] or v.id not in last:
+            continue
+        for u in program.nodes[v.producer].inputs:
+            last[u] = max(last.get(u, -1), last[v.id])
+    return last
+
+
+def aliased_outputs(program: Program, donated: Iterable[int]) -> frozenset[int]:
+    """Output value ids that XLA writes into a donated input's buffer.
+
+    ``donated``: positions among the program's flat inputs. As JAX does, each output takes
+    the first unused donated input of its shape and dtype, in order.
+    """
+    free: dict[tuple, list[int]] = {}
+    for k in sorted(set(donated)):
+        v = program.values[program.inputs[k]]
+        free.setdefault((v.shape, str(v.dtype)), []).append(k)
+    out: set[int] = set()
+    for o in dict.fromkeys(program.outputs):
+        v = program.values[o]
+        slot = free.get((v.shape, str(v.dtype)))
+        if slot and v.nbytes:
+            slot.pop(0)
+            out.add(o)
+    return frozenset(out)
+
+
+def _unit_transient(node: Node, platform: str = "cpu") -> int:
+    """Working set inside a control-flow unit beyond its inputs and outputs."""
+    best = 0
+    for j in _jax.sub_jaxprs(node.eqn):
+        closed = jax.extend.core.ClosedJaxpr(j, [None] * len(j.constvars))
+        try:
+            sub = from_jaxpr(closed)
+        except Exception:  # noqa: BLE001 - an estimate; never fail the analysis on it
+            continue
+        # a scan writes each iteration's stacked outputs (ys) into the stacked buffers, which
+        # are counted outside it; its new carry needs buffers of its own
+        ys = range(node.eqn.params["num_carry"], len(sub.outputs)) \
+            if node.primitive == "scan" and len(_jax.sub_jaxprs(node.eqn)) == 1 else ()
+        _, live, _ = liveness(sub, count_inputs=False, platform=platform, in_place=ys)
+        best = max(best, max(live, default=0))
+    return best
+
+
+def _upcasts(program: Program, position: dict[int, int], delta: np.ndarray,
+             platform: str) -> None:
+    """Add the operand copies XLA makes: f32 copies of half-precision matmul operands
+    (:func:`jaxmem.analyzing.fusion.upcast_bytes`) and padded convolution inputs
+    (:func:`jaxmem.analyzing.fusion.padded_bytes`), each live from the first reader to the last."""
+    span: dict[tuple[int, str], list[int]] = {}
+    size: dict[tuple[int, str], int] = {}
+    for n in program.nodes:
+        for k, v in enumerate(dict.fromkeys(n.inputs)):
+            val = program.values[v]
+            extras = [("f32", upcast_bytes(n.primitive, val.dtype, val.nbytes, platform))]
+            if k == 0 and n.eqn is not None:
+                item = val.nbytes // max(1, int(np.prod(val.shape)))
+                extras.append((f"pad{n.eqn.params.get('padding')}", padded_bytes(
+                    n.primitive, n.eqn.params, val.shape, item, platform)))
+            for kind, extra in extras:
+                if not extra:
+                    continue
+                p = position[n.index]
+                s = span.setdefault((v, kind), [p, p])
+                s[0], s[1] = min(s[0], p), max(s[1], p)
+                size[(v, kind)] = extra
+    for v, (a, b) in span.items():
+        delta[a] += size[v]
+        delta[b + 1] -= size[v]
+
+
+_LAYOUT = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim"})
+
+
+def _scan_upcasts(node: Node, platform: str) -> int:
+    """f32 copies XLA makes of a scan's half-precision operands that feed matmuls inside
+    its body: the conversion does not depend on the iteration, so XLA hoists it out of the
+    loop and converts the whole stacked operand (:func:`jaxmem.analyzing.fusion.upcast_bytes`)."""
+    if node.primitive != "scan" or not upcast_bytes("dot_general", "bfloat16", 1, platform):
+        return 0
+    body = node.eqn.params["jaxpr"].jaxpr
+    skip = range(node.eqn.params["num_consts"],
+                 node.eqn.params["num_consts"] + node.eqn.params["num_carry"])
+    total = 0
+    for k, (inner, outer) in enumerate(zip(body.invars, node.eqn.invars, strict=False)):
+        if k in skip:
+            continue
+        seen, frontier, hit = {inner}, [inner], None
+        while frontier and hit is None:
+            var = frontier.pop()
+            for e in body.eqns:
+                if not any(x is var for x in e.invars):
+                    continue
+                if e.primitive.name in ("dot_general", "conv_general_dilated"):
+                    hit = e.primitive.name
+                    break
+                if e.primitive.name in _LAYOUT:
+                    frontier.extend(o for o in e.outvars if o not in seen)
+                    seen.update(e.outvars)
+        if hit:
+            aval = outer.aval
+            nbytes = int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
+            total += upcast_bytes(hit, str(aval.dtype), nbytes, platform)
+    return total
+
+
+def liveness(program: Program, *, count_inputs: bool = True,
+             donated: Iterable[int] = (), device_only: bool = False,
+             platform: str = "cpu", in_place: Iterable[int] = ()
+             ) -> tuple[int, tuple[int, ...], int]:
+    """Predicted ``(peak, live bytes after each node, output bytes)``.
+
+    The peak is comparable with XLA's ``argument + output + temp - alias``: inputs are live
+    throughout, outputs from their producer to the end, intermediates from producer to last
+    reader. Outputs that alias a ``donated`` input index are not counted twice.
+    ``device_only``: values placed in host memory keep their lifetimes but are not counted.
+    ``platform``: the compiler's fusion rules and conversions (:mod:`jaxmem.analyzing.fusion`);
+    ``in_place``: positions among the outputs written into buffers counted elsewhere.
+    Nodes run in :func:`jaxmem.analyzing.schedule.schedule`'s order.
+    """
+    nodes, values = program.nodes, program.values
+    mat = materialised(program, platform)
+    end = len(nodes)
+    arg_bytes = sum(values[i].nbytes for i in program.inputs) if count_inputs else 0
+    # Outputs that are inputs or constants get an output buffer of their own (a copy).
+    out_bytes = sum(values[v].nbytes for v in dict.fromkeys(program.outputs))
+    passthrough = sum(values[v].nbytes for v in dict.fromkeys(program.outputs)
+                      if values[v].producer is None)
+    aliased = aliased_outputs(program, donated)
+    if in_place:
+        aliased = aliased | {program.outputs[k] for k in in_place}
+    # An output that aliases a donated input is written into that input's buffer: it costs
+    # nothing beyond the arguments (XLA's ``alias``); a returned input needs no copy then.
+    passthrough -= sum(values[v].nbytes for v in aliased if values[v].producer is None)
+    order = schedule(program, mat, aliased)
+    last = order.last_use(program)
+    steps = len(order.order)
+    delta = np.zeros(steps + 2, dtype=np.int64)
+    for v in values:
+        if v.producer is None or not mat[v.id] or v.id in aliased:
+            continue
+        if device_only and "Host" in str(v.memory_space):
+            continue
+        start = order.position[v.producer]
+        delta[min(start, steps)] += v.nbytes
+        delta[max(last.get(v.id, start), start) + 1] -= v.nbytes
+    _upcasts(program, order.position, delta, platform)
+    live = np.cumsum(delta)[:max(steps, 1)]
+    for n in nodes:
+        at = min(order.position[n.index], len(live) - 1)
+        if n.kind in (Kind.CONTROL, Kind.HEAVY) and _jax.sub_jaxprs(n.eqn):
+            live[at] += _unit_transient(n, platform) + _scan_upcasts(n, platform)
+        elif n.primitive == "select_and_scatter_add" and len(n.inputs) >= 2:
+            src, operand = (values[v].shape for v in n.inputs[:2])
+            live[at] += expansion_bytes(n.primitive, operand, src, platform)
+    base = arg_bytes + passthrough
+    # per node, in program order: the live bytes at its place in the run order
+    series = np.asarray([live[min(order.position[n.index], len(live) - 1)] for n in nodes],
+                        dtype=np.int64) + base
+    peak = int(live.max()) + base if end else base
+    return peak, tuple(int(x) for x in series), out_bytes

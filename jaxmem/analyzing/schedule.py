@@ -1,0 +1,144 @@
+"""The order XLA's scheduler runs a program in, as the liveness model sees it.
+
+Part of the liveness model (:mod:`jaxmem.analyzing.liveness`, second box of the data flow). A jaxpr
+lists a train step as forward, backward, then the optimizer update; XLA's memory-minimising
+schedulers (list, DFS and post-order on CPU; the GPU scheduler alike) do not keep that order.
+Most visibly, the update of a parameter runs as soon as its gradient exists, writing the
+new parameter into the donated buffer, so the gradient dies there instead of living to the
+end of the backward pass.
+
+The model: only nodes that make a buffer are scheduled (a fused elementwise node is part of
+each of its readers). Going through them in program order, after each one any node that is
+*ready* (every buffer it reads exists) and does not grow memory (the buffers it allocates
+are at most those it frees, up to :data:`SLACK` bytes: a scalar or per-feature reduction
+never holds a large buffer back) is run at once. That is the greedy rule of XLA's list
+scheduler (``ListMemoryScheduler``: the ready node freeing the most bytes first), applied
+only where it cannot raise the peak.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+from jaxmem.tracing.program import Program
+
+__all__ = ["SLACK", "Schedule", "schedule"]
+
+#: Bytes a hoisted node may allocate beyond what it frees (scalars, small vectors).
+SLACK = 4096
+
+
+class Schedule:
+    """A run order and, per buffer, the position of its last reader in that order.
+
+    Attributes:
+      order: node indices that make a buffer, in run order.
+      position: node index -> position in :attr:`order` (fused nodes take their first
+        reader's position).
+      reads: node index -> the buffers (value ids) it reads, directly or through fused values.
+    """
+
+    def __init__(self, order: list[int], position: dict[int, int],
+                 reads: dict[int, frozenset[int]]) -> None:
+        self.order, self.position, self.reads = order, position, reads
+
+    def last_use(self, program: Program) -> dict[int, int]:
+        """Buffer value id -> position of its last reader (outputs: the end)."""
+        last: dict[int, int] = {}
+        for n, ins in self.reads.items():
+            p = self.position[n]
+            for v in ins:
+                if last.get(v, -1) < p:
+                    last[v] = p
+        end = len(self.order)
+        for v in program.outputs:
+            last[v] = end
+        return last
+
+
+def _reads(program: Program, mat: Sequence[bool]) -> dict[int, frozenset[int]]:
+    """Per buffer-making node, the buffers it reads (through fused values)."""
+    memo: dict[int, frozenset[int]] = {}
+    values, nodes = program.values, program.nodes
+
+    def expand(v: int) -> frozenset[int]:
+        got = memo.get(v)
+        if got is not None:
+            return got
+        val = values[v]
+        if val.producer is None or mat[v]:
+            got = frozenset((v,))
+        else:
+            got = frozenset().union(*(expand(u) for u in nodes[val.producer].inputs))
+        memo[v] = got
+        return got
+
+    out_set = set(program.outputs)
+    reads = {}
+    for n in nodes:
+        if any(mat[o] or o in out_set for o in n.outputs) or not n.outputs:
+            reads[n.index] = frozenset().union(*(expand(u) for u in n.inputs))
+    return reads
+
+
+def schedule(program: Program, mat: Sequence[bool], aliased: frozenset[int] = frozenset()
+             ) -> Schedule:
+    """The run order of ``program``'s buffer-making nodes (see the module docstring).
+
+    ``mat``: per value, whether it has a buffer (:func:`jaxmem.analyzing.liveness.materialised`);
+    ``aliased``: outputs written into donated inputs (they allocate nothing).
+    """
+    values, nodes = program.values, program.nodes
+    reads = _reads(program, mat)
+    out_set = set(program.outputs)
+    readers: dict[int, list[int]] = defaultdict(list)
+    waiting: dict[int, int] = {}
+    for n, ins in reads.items():
+        made = [v for v in ins if values[v].producer is not None]
+        waiting[n] = len({values[v].producer for v in made})
+        for v in made:
+            readers[v].append(n)
+    remaining = {v: len(r) for v, r in readers.items()}
+    alloc = {n: sum(values[o].nbytes for o in nodes[n].outputs
+                    if mat[o] and o not in aliased) for n in reads}
+    placed: set[int] = set()
+    order: list[int] = []
+
+    def net(n: int) -> int:
+        freed = sum(values[v].nbytes for v in reads[n]
+                    if values[v].producer is not None and remaining[v] == 1
+                    and v not in out_set)
+        return alloc[n] - freed
+
+    def place(n: int) -> None:
+        stack = [n]
+        while stack:
+            k = stack.pop()
+            if k in placed or waiting[k]:
+                continue
+            placed.add(k)
+            order.append(k)
+            cand: list[int] = []
+            for v in reads[k]:
+                if v in remaining:
+                    remaining[v] -= 1
+                    if remaining[v] == 1:
+                        cand.extend(readers[v])
+            for o in nodes[k].outputs:
+                for r in readers.get(o, ()):
+                    waiting[r] -= 1
+                    cand.append(r)
+            for r in dict.fromkeys(cand):
+                if r not in placed and not waiting[r] and net(r) <= SLACK:
+                    stack.append(r)
+
+    for n in sorted(reads):
+        if n not in placed:
+            place(n)
+    position = {n: i for i, n in enumerate(order)}
+    # a fused node sits with its first reader
+    for n in nodes:
+        if n.index not in position:
+            position[n.index] = len(order)
+    return Schedule(order, position, reads)

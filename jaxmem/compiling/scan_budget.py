@@ -1,0 +1,263 @@
+"""The budget search over scan-body policies: the cheapest one that fits, compile-checked.
+
+Third box of the data flow under a budget, for a step whose layers are one ``lax.scan``
+(:mod:`jaxmem.rewriting.scans`). Each candidate :class:`~jaxmem.rewriting.scans.BodyPolicy`
+is traced (cheap) to get its exact FLOPs (jaxmem's count, loops times their trip count,
+recompute included) and the bytes it keeps for the backward pass; candidates are then
+compiled in order of FLOPs by bisection along the candidates no other beats on both FLOPs and kept bytes (their
+compiled peaks fall as their FLOPs rise): the one found has the fewest recompute FLOPs among
+the candidates that fit.
+
+:func:`choose` is the search over plain callables; :func:`choose_for` wires it to
+:class:`jaxmem.optimized.Optimized` (each candidate compiled as the whole step: the body
+policy inside the scan, nothing dropped outside it; if no candidate fits so, the step's
+budget search plans the outside too, from the lowest-peak body policy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from jaxmem.analyzing.analysis import from_program
+from jaxmem.planning.budget.units import resolve_budget
+from jaxmem.rewriting.scans import BodyPolicy, BodyValue, body_values, candidates
+from jaxmem.tracing.program import Program
+from jaxmem.xla import measure, targets
+from jaxmem.xla.measure import Figures, fmt_bytes
+
+__all__ = ["BodyCandidate", "BodyChoice", "auto_choice", "choose", "choose_for", "estimate"]
+
+@dataclasses.dataclass(frozen=True)
+class BodyCandidate:
+    """One body policy, traced (and maybe compiled).
+
+    Attributes:
+      policy: the :class:`~jaxmem.rewriting.scans.BodyPolicy`.
+      flops: jaxmem's FLOP count of the whole step with it (recompute included).
+      kept_bytes: bytes of the device-resident values the backward pass reads.
+      compiled: XLA's figures of the whole step with it, when compiled.
+    """
+
+    policy: BodyPolicy
+    flops: float
+    kept_bytes: int
+    compiled: Figures | None = None
+
+    def row(self, budget: int | None = None) -> str:
+        peak = "-" if self.compiled is None else fmt_bytes(self.compiled.peak)
+        fit = ("" if budget is None or self.compiled is None
+               else (" fits" if self.compiled.peak <= budget else " over"))
+        return (f"{self.policy.name}: {self.flops / 1e9:.4f} GFLOP, kept "
+                f"{fmt_bytes(self.kept_bytes)}, peak {peak}{fit}")
+
+
+@dataclasses.dataclass(frozen=True)
+class BodyChoice:
+    """What :func:`choose` picked, and every candidate it looked at."""
+
+    chosen: BodyCandidate
+    candidates: tuple[BodyCandidate, ...]
+    budget: int
+    fits: bool
+
+    @property
+    def policy(self) -> BodyPolicy:
+        return self.chosen.policy
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        n = sum(c.compiled is not None for c in self.candidates)
+        head = (f"scan bodies: policy {self.policy.name!r} ("
+                + ("fewest FLOPs that fits" if self.fits else "lowest peak found; over budget")
+                + f", {len(self.candidates)} candidates traced, {n} compiled)")
+        save = ", ".join(_label(k) for k in self.policy.save) or "-"
+        off = ", ".join(_label(k) for k in self.policy.offload) or "-"
+        return (head, f"scan bodies keep: {save}; offload: {off}; base {self.policy.base}")
+
+
+def _label(key: Any) -> str:
+    return str(key[1]) if key[0] == "name" else "dot" + str(key[1][0])
+
+
+def estimate(policy: BodyPolicy, program: Program) -> BodyCandidate:
+    """FLOPs and kept bytes of the step traced with ``policy`` on its scan bodies."""
+    analysis = from_program(program)
+    kept = sum(r.nbytes for r in analysis.residuals
+               if "Host" not in str(program.values[r.value].memory_space))
+    return BodyCandidate(policy, float(program.flops), int(kept))
+
+
+def _dominated(cands: Sequence[BodyCandidate]) -> list[BodyCandidate]:
+    """Candidates no other one beats on both FLOPs and kept bytes, fewest FLOPs first."""
+    out: list[BodyCandidate] = []
+    for c in sorted(cands, key=lambda c: (c.flops, c.kept_bytes)):
+        if not out or c.kept_bytes < min(o.kept_bytes for o in out):
+            out.append(c)
+    return out
+
+
+def choose(cands: Sequence[BodyCandidate], compile_with: Callable[[BodyPolicy], Figures],
+           budget: int, *, max_compiles: int = 8) -> BodyChoice:
+    """Compile candidates until the one with the fewest FLOPs that fits ``budget`` is found.
+
+    Candidates beaten on both FLOPs and kept bytes by another are left out; along the rest
+    (fewest FLOPs first, so most kept bytes first) the compiled peak falls, so a bisection
+    finds the first that fits in a few compiles: the one with the fewest kept bytes first
+    (if it does not fit, nothing does, and it is chosen with ``fits=False``), then halves.
+    """
+    debug = os.environ.get("JAXMEM_BUDGET_DEBUG")
+    front = _dominated(cands)
+    done: dict[str, BodyCandidate] = {}
+
+    def peak(i: int) -> int:
+        c = front[i]
+        if c.policy.name not in done:
+            c = dataclasses.replace(c, compiled=compile_with(c.policy))
+            done[c.policy.name] = c
+            if debug:
+                print(f"jaxmem scan body: {c.row(budget)}")
+        return done[front[i].policy.name].compiled.peak
+
+    hi = len(front) - 1  # fits, once checked
+    if peak(hi) > budget:
+        best = min(done.values(), key=lambda c: (c.compiled.peak, c.flops))
+        return BodyChoice(best, _merge(cands, done), budget, False)
+    lo = -1  # does not fit (or is before the first)
+    while hi - lo > 1 and len(done) < max_compiles:
+        mid = (lo + hi) // 2
+        if peak(mid) <= budget:
+            hi = mid
+        else:
+            lo = mid
+    return BodyChoice(done[front[hi].policy.name], _merge(cands, done), budget, True)
+
+
+def _merge(cands: Sequence[BodyCandidate], done: dict[str, BodyCandidate]
+           ) -> tuple[BodyCandidate, ...]:
+    return tuple(done.get(c.policy.name, c) for c in cands)
+
+
+def _figures(jitted: Any, flat: Sequence[Any]) -> Figures:
+    """Compiled figures of ``jitted`` the jaxmem way, for the arguments' target."""
+    platform = targets.platform_of(flat) or jax.default_backend()
+    return measure.compiled_figures(measure.compile(jitted.lower(*flat)), jitted, flat,
+                                    platform=platform)
+
+
+def choose_for(opt: Any, fn: Callable[..., Any], dyn_args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> BodyChoice | None:
+    """The body policy for ``opt`` (an :class:`~jaxmem.optimized.Optimized` with a budget)
+    on ``fn(*dyn_args, **kwargs)``; ``None`` when the step scans no differentiated layer.
+    Candidates are compiled as ``type(opt)`` steps (no import of the entry point here)."""
+    from jaxmem import _jax
+    from jaxmem.tracing.program import trace
+
+    values: list[BodyValue] = body_values(trace(fn, *dyn_args, **kwargs))
+    if not values:
+        return None
+    offload = opt.offload in (True, "auto")
+
+    def traced(policy: BodyPolicy) -> Program:
+        with _jax.checkpointed_scan_bodies(policy):
+            return trace(fn, *dyn_args, **kwargs)
+
+    cands = [estimate(p, traced(p)) for p in candidates(values, offload=offload)]
+    flat = jax.tree_util.tree_leaves((dyn_args, kwargs))
+    entries: dict[str, Any] = {}
+
+    def entry(policy: BodyPolicy) -> Any:
+        # The body policy with no recompute outside the scan (an auto plan capped at zero
+        # FLOPs): the fewest FLOPs. When none fits so, the step's own budget search plans
+        # the outside too (optimized.py).
+        if policy.name not in entries:
+            sub = type(opt)(fn, strategy=opt.strategy, donate_argnums=opt.donate_argnums,
+                            max_recompute_fraction=0.0, verify=False, remat_scans=policy,
+                            **opt.jit_kwargs)
+            entries[policy.name] = sub._prepare(dyn_args, kwargs)[0]  # noqa: SLF001
+        return entries[policy.name]
+
+    def compiled(policy: BodyPolicy) -> Figures:
+        return _figures(entry(policy).jitted, flat)
+
+    # The plain step (same donation) is what a fractional budget is a fraction of.
+    first = _dominated(cands)[0].policy
+    budget = resolve_budget(opt.budget, _figures(entry(first).plain, flat).peak)
+    return choose(cands, compiled, budget)
+
+
+def _kinds(flat: Sequence[Any]) -> tuple[str, ...]:
+    """The device kinds the arguments are placed on (part of a cache key)."""
+    return tuple(sorted({str(getattr(d, "device_kind", d)) for x in flat
+                         for d in getattr(getattr(x, "sharding", None), "device_set", ())}))
+
+
+def _lean(cands: Sequence[BodyCandidate], cap: float) -> BodyCandidate | None:
+    """The candidate that keeps the fewest bytes with its FLOPs within ``cap`` (no offload)."""
+    inside = [c for c in cands if c.flops <= cap and not c.policy.offload]
+    return min(inside, key=lambda c: (c.kept_bytes, c.flops)) if inside else None
+
+
+def auto_choice(opt: Any, fn: Callable[..., Any], dyn_args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> tuple[BodyPolicy, tuple[str, ...]] | None:
+    """The scan-body policy for ``optimize``'s automatic mode (no budget), and its notes.
+
+    MEDL's rule (:func:`jaxmem.policies.utility`, the default) keeps every matmul output of
+    a scanned layer. Among the candidates of :func:`jaxmem.rewriting.scans.candidates` (MaxText's
+    presets, the ladder), the one that keeps the fewest bytes with the step's FLOPs within
+    ``max_recompute_fraction`` of the step with nothing recomputed in the body is compiled
+    beside MEDL's rule (each with nothing dropped outside the scan, on the arguments'
+    target), and the lower peak is kept. Two compiles, only when such a candidate keeps
+    fewer bytes than MEDL's rule; ``None`` keeps MEDL's rule. The choice is cached with
+    the plans (:mod:`jaxmem.plan_cache`), so a cache hit compiles nothing here.
+    """
+    from jaxmem import _jax
+    from jaxmem.compiling import plan_cache
+    from jaxmem.planning.plan import Plan
+    from jaxmem.tracing.program import trace
+
+    base = trace(fn, *dyn_args, **kwargs)
+    values: list[BodyValue] = body_values(base)
+    if not values:
+        return None
+    flat = jax.tree_util.tree_leaves((dyn_args, kwargs))
+    platform = targets.platform_of(flat) or jax.default_backend()
+    key = plan_cache.fingerprint(base.jaxpr, (platform, _kinds(flat)),
+                                 ("auto scan body", opt.max_recompute_fraction,
+                                  opt.donate_argnums))
+    by_name = {p.name: p for p in candidates(values)}
+    cached = plan_cache.load(key)
+    if cached is not None:
+        return (None if cached.strategy == "utility"
+                else (by_name[cached.strategy], cached.notes))
+
+    def traced(policy: BodyPolicy) -> Program:
+        with _jax.checkpointed_scan_bodies(policy):
+            return trace(fn, *dyn_args, **kwargs)
+
+    cands = [estimate(p, traced(p)) for p in by_name.values()]
+    full = {c.policy.name: c for c in cands}
+    util, lean = full["utility"], _lean(cands, full["everything"].flops
+                                        * (1 + opt.max_recompute_fraction))
+    chosen, notes = util, ()
+    if lean is not None and lean.kept_bytes < util.kept_bytes:
+        peaks = {}
+        for c in (util, lean):
+            sub = type(opt)(fn, strategy=opt.strategy, donate_argnums=opt.donate_argnums,
+                            max_recompute_fraction=0.0, verify=False, remat_scans=c.policy,
+                            **opt.jit_kwargs)
+            peaks[c.policy.name] = _figures(sub._prepare(dyn_args, kwargs)[0].jitted,  # noqa: SLF001
+                                            flat).peak
+        if peaks[lean.policy.name] < peaks["utility"]:
+            chosen = lean
+        notes = (f"scan bodies: policy {chosen.policy.name!r} (compiled beside MEDL's rule: "
+                 f"{lean.policy.name} {fmt_bytes(peaks[lean.policy.name])}, utility "
+                 f"{fmt_bytes(peaks['utility'])}; {len(cands)} candidates traced, the fewest "
+                 f"bytes kept within {opt.max_recompute_fraction:.0%} more FLOPs)",)
+    plan_cache.store(key, Plan(choices=(), strategy=chosen.policy.name, recompute_flops=0.0,
+                               baseline_flops=0.0, notes=notes))
+    return None if chosen is util else (chosen.policy, notes)

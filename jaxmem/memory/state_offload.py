@@ -1,0 +1,630 @@
+"""Optimizer state in host memory, streamed through the update one layer at a time.
+
+A step of the rewrite box (DESIGN.md), applied after the residual plan: the train state's
+optimizer leaves (adam's two moments: twice the parameters' bytes) live in ``pinned_host``
+memory between steps. Inside the step each leaf is fetched to the device just before the
+optimizer update that reads it, and its new value is written back to host memory, so the
+device holds about one layer's slice of the state (plus the next one, prefetched) instead
+of all of it. The user's optax update is unchanged: the step is traced, and the update's
+equations are replayed grouped by layer.
+
+How the order is enforced (XLA schedules by data flow alone):
+
+- the update's equations are split into *groups*: the equations that read one offloaded leaf
+  or values made from it, merged where one equation reads two leaves (adam's parameter update
+  reads both moments of a parameter). A small or scalar leaf (adam's step count) stays on the
+  device: it is read by every group and would merge them all;
+- groups run in the order their other inputs (the gradients) are made, i.e. backward order;
+- group ``k``'s leaves are fetched behind an ``optimization_barrier`` tied to its gradients
+  and to the written-back state of group ``k - 2``: the fetch cannot start before the
+  gradient exists nor before the group two back has left the device, so at most two groups'
+  slices are on the device at once (one updated, the next one arriving).
+
+With ``offload_state="all"`` the parameters (leaves the model reads too) join the groups
+through the update's equations only; their forward and backward reads are fetched per use
+by :mod:`jaxmem.memory.param_offload`.
+
+On CPU, XLA strips host placement: the program runs the same equations (results are
+identical) but the compiled figures do not show the saving; compile for a GPU target
+(``jaxmem.targets.get("h100")``) to measure it. See docs/state_offload.md.
+
+Example:
+  >>> import jax, jax.numpy as jnp, optax, jaxmem
+  >>> tx = optax.adam(1e-3)
+  >>> def step(w, opt_state, x):
+  ...     g = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+  ...     updates, opt_state = tx.update(g, opt_state)
+  ...     return optax.apply_updates(w, updates), opt_state
+  >>> w = jnp.ones((32, 32))
+  >>> fast = jaxmem.optimize(step, offload_state=True, strategy="none")
+  >>> w, opt_state = fast(w, tx.init(w), jnp.ones((4, 32)))
+  >>> opt_state[0].mu.sharding.memory_kind
+  'pinned_host'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax import lax
+
+from jaxmem import _jax
+from jaxmem.memory import param_offload
+from jaxmem.tracing.program import Program, from_jaxpr
+from jaxmem.xla.measure import fmt_bytes
+
+__all__ = ["StateOffload", "place", "preview", "select", "stream", "to_host", "with_budget",
+           "wrap"]
+
+MODES = (True, False, "opt", "auto", "all")
+
+#: Leaves smaller than this stay on the device (adam's count, schedules' scalars): every
+#: group reads them, so offloading them would merge all groups into one.
+MIN_BYTES = 1024
+
+#: Groups in flight: group ``k`` is fetched once group ``k - WINDOW`` is written back. 2: one
+#: group updated while the next one arrives (prefetch); 1: one group at a time.
+WINDOW = 2
+
+Predicate = Callable[[tuple[Any, ...], Any], bool]
+
+
+@dataclasses.dataclass(frozen=True)
+class StateOffload:
+    """Which leaves of the train state live in host memory, and what that moves per step.
+
+    Attributes:
+      inputs: flat argument positions held in ``pinned_host`` between steps.
+      outputs: flat output positions written back to ``pinned_host`` (their new values).
+      names: the leaves' pytree paths (``keystr``), in ``inputs`` order.
+      nbytes: bytes of the offloaded state (what leaves the device); like every byte count
+        here, per device: a sharded (FSDP) leaf counts its shard.
+      largest_group: bytes of the largest group fetched at once (one layer's slice, the two
+        moments of one parameter).
+      groups: how many groups the update was split into.
+      param_bytes: bytes of those leaves the model reads too (the parameters, with
+        ``offload_state="all"``; part of ``nbytes``).
+      fetch_bytes: bytes fetched per step for the forward and backward passes' reads of the
+        parameters (one fetch per reading equation; :mod:`jaxmem.memory.param_offload`).
+    """
+
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    names: tuple[str, ...]
+    nbytes: int
+    largest_group: int = 0
+    groups: int = 0
+    param_bytes: int = 0
+    fetch_bytes: int = 0
+
+    @property
+    def link_bytes(self) -> int:
+        """Bytes over the host link per step: every leaf fetched for the update and written
+        back once, and the parameters fetched again for each forward or backward read."""
+        return 2 * self.nbytes + self.fetch_bytes
+
+    def transfer_time(self, profile: Any = "h100") -> float:
+        """Predicted seconds the host link needs per step on ``profile``
+        (:class:`jaxmem.DeviceProfile` or a preset name), both directions in turn."""
+        from jaxmem.analyzing.costmodel import DeviceProfile
+        return DeviceProfile.get(profile).transfer_time(self.link_bytes)
+
+    def describe(self, profile: Any = "h100") -> str:
+        """One line for a plan's notes: what moves and what it costs."""
+        from jaxmem.analyzing.costmodel import DeviceProfile
+        prof = DeviceProfile.get(profile)
+        params = (f" (parameters {fmt_bytes(self.param_bytes)}, fetched again before each "
+                  f"forward and backward use: {fmt_bytes(self.fetch_bytes)})"
+                  if self.param_bytes else "")
+        return (f"optimizer state in host memory: {len(self.inputs)} leaves, "
+                f"{fmt_bytes(self.nbytes)} off the device{params}, streamed in "
+                f"{self.groups} groups "
+                f"(largest {fmt_bytes(self.largest_group)}); {fmt_bytes(self.link_bytes)} "
+                f"over the host link per step, {1e3 * self.transfer_time(prof):.1f} ms at "
+                f"{prof.host_bw / 1e9:.0f} GB/s ({prof.name})")
+
+
+def _is_float(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    try:
+        return dtype is not None and jax.numpy.issubdtype(dtype, jax.numpy.floating)
+    except TypeError:  # extended dtypes (PRNG keys)
+        return False
+
+
+def _nbytes(x: Any) -> int:
+    return int(getattr(x, "size", 0)) * getattr(getattr(x, "dtype", None), "itemsize", 0)
+
+
+def _shard_bytes(x: Any) -> int:
+    """Bytes of ``x`` on one device: its shard's under a sharding that splits it (FSDP),
+    else all of it."""
+    s = getattr(x, "sharding", None)
+    try:
+        shape = s.shard_shape(tuple(x.shape)) if s is not None else None
+    except (AttributeError, TypeError, ValueError):
+        shape = None
+    if shape is None:
+        return _nbytes(x)
+    return math.prod(int(d) for d in shape) * getattr(getattr(x, "dtype", None), "itemsize", 0)
+
+
+def _fractions(flat: Sequence[Any], inputs: Sequence[int]) -> dict[int, float]:
+    """Flat position -> the fraction of the leaf one device holds (1.0 unsharded)."""
+    return {i: _shard_bytes(flat[i]) / max(_nbytes(flat[i]), 1) for i in inputs}
+
+
+def select(program: Program, args: Any, outs: Any, mode: bool | str | Predicate
+           ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[str, ...]]:
+    """The flat input positions to keep in host memory, their outputs, and their names.
+
+    Args:
+      program: the step's traced program (its phases say which inputs the forward and
+        backward passes read).
+      args: the step's ``(dyn_args, kwargs)``, as traced.
+      outs: the step's output pytree (shapes suffice), to pair each leaf with its new value.
+      mode: ``True`` / ``"opt"`` / ``"auto"``: floating leaves of at least
+        :data:`MIN_BYTES` that only the optimizer update reads (neither the forward nor the
+        backward pass does): the optimizer state. ``"all"``: those and the parameters (leaves
+        the model reads that the update reads too and gives a new value;
+        :mod:`jaxmem.memory.param_offload`). A callable ``mode(path, leaf) -> bool``
+        picks leaves by pytree path instead (only leaves the forward and backward do not
+        read).
+
+    Returns:
+      ``(inputs, outputs, names)``; an input whose new value cannot be found among the
+      outputs (same path after the argument index, or the one output of its shape made
+      from it alone) is left on the device.
+    """
+    in_leaves = jax.tree_util.tree_flatten_with_path(args)[0]
+    out_leaves = jax.tree_util.tree_flatten_with_path(outs)[0]
+    read_by_model = param_offload.model_reads(program)
+    start = param_offload.update_start(program)
+    by_update = {v for n in program.nodes[start:] for v in n.inputs}
+    chosen = []
+    for pos, (path, leaf) in enumerate(in_leaves):
+        vid = program.inputs[pos]
+        if callable(mode):
+            if not mode(path, leaf):
+                continue
+            if vid in read_by_model:
+                raise ValueError(
+                    f"jaxmem.optimize(offload_state=...): the leaf {jax.tree_util.keystr(path)}"
+                    f" {getattr(leaf, 'shape', '')} is read by the forward or backward pass; "
+                    "only optimizer state (read by the update alone) can live in host memory. "
+                    "Narrow the predicate (e.g. to paths under 'opt_state').")
+        elif not (_is_float(leaf) and _nbytes(leaf) >= MIN_BYTES and vid in program.users
+                  and (vid not in read_by_model or (mode == "all" and vid in by_update))):
+            continue
+        chosen.append(pos)
+    pairs = _pair_outputs(program, in_leaves, out_leaves, chosen)
+    inputs = tuple(p for p in chosen if p in pairs)
+    return (inputs, tuple(pairs[p] for p in inputs),
+            tuple(jax.tree_util.keystr(in_leaves[p][0]) for p in inputs))
+
+
+def _strip(path: tuple[Any, ...], n: int) -> tuple[Any, ...]:
+    return tuple(path[n:])
+
+
+def _pair_outputs(program: Program, in_leaves: list, out_leaves: list,
+                  chosen: list[int]) -> dict[int, int]:
+    """Input position -> output position of its new value: the same path below the argument
+    (inputs: ``(args, kwargs)[i][...]``; outputs: ``out[j][...]`` or the whole output)."""
+    by_path: dict[tuple[Any, ...], list[int]] = {}
+    for j, (path, _) in enumerate(out_leaves):
+        by_path.setdefault(_strip(path, 1), []).append(j)
+        by_path.setdefault(tuple(path), []).append(j)
+    pairs: dict[int, int] = {}
+    taken: set[int] = set()
+    for p in chosen:
+        path, leaf = in_leaves[p]
+        cands = [j for j in by_path.get(_strip(path, 2), []) if j not in taken
+                 and _same_aval(out_leaves[j][1], leaf)]
+        if len(cands) == 1:
+            pairs[p] = cands[0]
+            taken.add(cands[0])
+    return pairs
+
+
+def _same_aval(a: Any, b: Any) -> bool:
+    return (tuple(getattr(a, "shape", ())) == tuple(getattr(b, "shape", ()))
+            and str(getattr(a, "dtype", "")) == str(getattr(b, "dtype", "")))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Group:
+    inputs: tuple[int, ...]    # offloaded input value ids
+    nodes: tuple[int, ...]     # node indices, program order
+    outputs: tuple[int, ...]   # value ids written back to host
+    after: int                 # node index of the last non-group value the group reads
+
+
+def _groups(program: Program, state: frozenset[int], written: frozenset[int],
+            params: frozenset[int] = frozenset()) -> list[_Group]:
+    """The update split into groups (see the module docstring), in backward order. The
+    ``params`` (state the model reads too) join a group only through the equations after
+    the backward pass; their forward and backward reads are fetched per use."""
+    start = param_offload.update_start(program) if params else 0
+    parent: dict[int, int] = {s: s for s in state}
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    root_of: dict[int, int] = {s: s for s in state}    # value id -> a state input it derives from
+    node_root: dict[int, int] = {}
+    for n in program.nodes:
+        roots = {find(root_of[v]) for v in n.inputs
+                 if v in root_of and (n.index >= start or v not in params)}
+        if not roots:
+            continue
+        r, *rest = roots
+        for o in rest:
+            parent[find(o)] = find(r)
+        r = find(r)
+        node_root[n.index] = r
+        for o in n.outputs:
+            root_of[o] = r
+    members: dict[int, list[int]] = {}
+    for i, r in node_root.items():
+        members.setdefault(find(r), []).append(i)
+    out = []
+    outputs = frozenset(program.outputs)
+    for r, nodes in members.items():
+        _absorb_feeders(program, nodes, node_root, outputs)
+        nodes.sort()
+        inside = {o for i in nodes for o in program.nodes[i].outputs}
+        ins = tuple(s for s in sorted(state) if find(s) == r)
+        after = -1
+        for i in nodes:
+            for v in program.nodes[i].inputs:
+                u = program.values[v].producer
+                if v not in inside and u is not None:
+                    after = max(after, u)
+        outs = tuple(v for v in sorted(written) if v in inside)
+        out.append(_Group(ins, tuple(nodes), outs, after))
+    out.sort(key=lambda g: (g.after, g.nodes[0]))
+    return out
+
+
+def _absorb_feeders(program: Program, nodes: list[int], taken: dict[int, int],
+                    outputs: frozenset[int]) -> None:
+    """Add to ``nodes`` the update equations only this group reads (adam's ``(1 - b1) * g``
+    and ``(1 - b2) * g ** 2``): the group's fetch is then tied to the gradient itself, and
+    XLA fuses them into the group's update instead of materialising each as a buffer."""
+    mine = set(nodes)
+    changed = True
+    while changed:
+        changed = False
+        for i in list(mine):
+            for v in program.nodes[i].inputs:
+                u = program.values[v].producer
+                if u is None or u in mine or u in taken:
+                    continue
+                n = program.nodes[u]
+                if n.phase != "other" or any(o in outputs for o in n.outputs):
+                    continue
+                if all(set(program.users.get(o, ())) <= mine for o in n.outputs):
+                    mine.add(u)
+                    taken[u] = -1
+                    changed = True
+    nodes[:] = sorted(mine)
+
+
+def stream(fn: Callable[..., list[Any]], avals: Sequence[Any], inputs: Sequence[int],
+           outputs: Sequence[int], window: int | None = None
+           ) -> tuple[Callable[..., list[Any]], int, int, int]:
+    """``fn`` (flat inputs -> flat outputs) with the state at ``inputs`` read from host
+    memory and its new values (``outputs``) written back there, streamed group by group;
+    state the forward or backward pass reads (parameters) is also fetched before each of
+    those reads (:mod:`jaxmem.memory.param_offload`).
+
+    Returns ``(new_fn, groups, largest_group_bytes, per_use_fetch_bytes)``.
+    """
+    window = WINDOW if window is None else max(1, int(window))
+    fractions = _fractions(avals, inputs)
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
+             if hasattr(a, "shape") and hasattr(a, "dtype") else a for a in avals]
+    program = from_jaxpr(jax.make_jaxpr(fn)(*avals))
+    state = frozenset(program.inputs[i] for i in inputs)
+    written = [program.outputs[j] for j in outputs]
+    params, groups, largest, per_use, again = _layout(program, inputs, outputs, fractions)
+    in_group = {i for g in groups for i in g.nodes}
+    last = _last_gradient(program, groups)
+
+    def run(*flat: Any) -> list[Any]:
+        env: dict[int, Any] = dict(zip(program.inputs, flat, strict=True))
+        for v in program.values:
+            if v.is_const:
+                env[v.id] = v.const
+        host_in = {s: env[s] for s in state}
+        for n in program.nodes:
+            if n.index in again:
+                env.update(zip(n.outputs, (env[o] for o in program.nodes[again[n.index]].outputs),
+                               strict=True))
+            elif n.index not in in_group:
+                _emit(n, env, param_offload.fetched(program, n.index, params, env)
+                      if params else None)
+        back: dict[int, Any] = {}         # written value id -> its host copy
+        done: list[list[Any]] = []        # per group, the host copies it wrote
+        for k, g in enumerate(groups):
+            tie = [env[v] for v in _external(program, g) if v in env]
+            if k >= window:
+                tie += done[k - window]
+            elif last is not None and last in env:
+                tie.append(env[last])  # the first groups wait for the backward pass's end
+            leaves = [host_in[s] for s in g.inputs]
+            if tie:
+                leaves, _ = lax.optimization_barrier((leaves, tie))
+            for s, x in zip(g.inputs, leaves, strict=True):
+                env[s] = jax.device_put(x, _jax.device_space())
+            for i in g.nodes:
+                _emit(program.nodes[i], env)
+            mine = []
+            for v in g.outputs:
+                back[v] = jax.device_put(env[v], _jax.host_space())
+                mine.append(back[v])
+            done.append(mine)
+        outs = []
+        for j, v in enumerate(program.outputs):
+            if v in back:
+                outs.append(back[v])
+            elif v in state:  # the state passed through unchanged
+                outs.append(host_in[v] if program.outputs[j] in written
+                            else jax.device_put(host_in[v], _jax.device_space()))
+            else:
+                outs.append(env[v])
+        return outs
+
+    return run, len(groups), largest, per_use
+
+
+def _layout(program: Program, inputs: Sequence[int], outputs: Sequence[int],
+            fractions: dict[int, float] | None = None
+            ) -> tuple[frozenset[int], list[_Group], int, int, dict[int, int]]:
+    """``(params, groups, largest group's bytes, bytes fetched per use, reused)``: the state
+    the model reads too, the update's groups, what the forward and backward fetch, and the
+    nodes that take an earlier node's outputs instead (:func:`param_offload.reuse`).
+    ``fractions`` (flat position -> share of the leaf on one device) makes the byte counts
+    per device for sharded state."""
+    frac = {program.inputs[i]: f for i, f in (fractions or {}).items()}
+    state = frozenset(program.inputs[i] for i in inputs)
+    params = state & param_offload.model_reads(program)
+    groups = _groups(program, state, frozenset(program.outputs[j] for j in outputs), params)
+    in_group = {i for g in groups for i in g.nodes}
+
+    def size(v: int) -> int:
+        return int(program.values[v].nbytes * frac.get(v, 1.0))
+
+    largest = max((sum(size(s) for s in g.inputs) for g in groups), default=0)
+    params = param_offload.through_barriers(program, params) if params else params
+    for n in program.nodes:  # a barrier's output is its input's (same sharding)
+        if n.primitive == "optimization_barrier":
+            frac.update((o, frac[v]) for v, o in zip(n.inputs, n.outputs, strict=False)
+                        if v in frac)
+    again = {i: j for i, j in param_offload.reuse(program, params).items()
+             if i not in in_group and j not in in_group} if params else {}
+    per_use = sum(size(v) for n in program.nodes
+                  if n.index not in in_group and n.index not in again
+                  for v in param_offload.reads(program, n.index, params))
+    return params, groups, largest, per_use, again
+
+
+def _last_gradient(program: Program, groups: list[_Group]) -> int | None:
+    """The value made last among those the groups wait for (the last gradient)."""
+    if not groups or groups[-1].after < 0:
+        return None
+    made = program.nodes[groups[-1].after].outputs
+    ext = {v for g in groups for v in _external(program, g)}
+    return next((v for v in made if v in ext), made[0] if made else None)
+
+
+def _external(program: Program, g: _Group) -> list[int]:
+    """Values made outside the group (by the forward, backward, or shared update
+    equations) that the group reads: the gradients its fetch waits for."""
+    inside = {o for i in g.nodes for o in program.nodes[i].outputs}
+    out = []
+    for i in g.nodes:
+        for v in program.nodes[i].inputs:
+            val = program.values[v]
+            if v not in inside and val.producer is not None and v not in program.constant_derived:
+                out.append(v)
+    return list(dict.fromkeys(out))
+
+
+def _emit(n: Any, env: dict[int, Any], subs: dict[int, Any] | None = None) -> None:
+    """Bind node ``n`` on ``env``'s values (``subs`` overriding some: fetched parameters)."""
+    subs = subs or {}
+    with _jax.user_context(n.eqn.source_info.traceback, n.stack):
+        outs = _jax.bind(n.eqn, *[subs[v] if v in subs else env[v] for v in n.inputs])
+    for o, x in zip(n.outputs, outs, strict=True):
+        env[o] = x
+
+
+def to_host(tree: Any) -> Any:
+    """``tree``'s arrays moved to ``pinned_host`` memory on the devices they are on (abstract
+    ``jax.ShapeDtypeStruct`` leaves and non-arrays pass through). ``optimize(...,
+    offload_state=True)`` does this itself for the state it keeps there."""
+    def move(x: Any) -> Any:
+        s = getattr(x, "sharding", None)
+        if isinstance(x, jax.Array) and s is not None and s.memory_kind != "pinned_host":
+            return jax.device_put(x, s.with_memory_kind("pinned_host"))
+        return x
+    return jax.tree.map(move, tree)
+
+
+def place(flat: Sequence[Any], positions: Sequence[int]) -> list[Any]:
+    """``flat`` with the leaves at ``positions`` in ``pinned_host`` memory: arrays are moved
+    (a no-op once a step has returned them there); abstract leaves get a ``pinned_host``
+    sharding where their device has host memory kinds (a compile-only GPU topology device has
+    none: there the donated state is placed in host memory by aliasing its host output)."""
+    out = list(flat)
+    for i in positions:
+        x = out[i]
+        s = getattr(x, "sharding", None)
+        if s is None or getattr(s, "memory_kind", None) == "pinned_host":
+            continue
+        if isinstance(x, jax.Array):
+            out[i] = jax.device_put(x, s.with_memory_kind("pinned_host"))
+        elif isinstance(x, jax.ShapeDtypeStruct):
+            hs = s.with_memory_kind("pinned_host")
+            if hs.memory_kind == "pinned_host":
+                out[i] = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=hs,
+                                              weak_type=x.weak_type)
+    return out
+
+
+def device_view(x: Any) -> Any:
+    """``x`` as if on the device: a leaf in ``pinned_host`` memory becomes a
+    ``jax.ShapeDtypeStruct`` with the device memory kind (what the step is traced, keyed
+    and compared against jax.jit with), anything else passes through. A state leaf the step
+    returned in host memory thus hits the cache entry its first (device) call made."""
+    s = getattr(x, "sharding", None)
+    if getattr(s, "memory_kind", None) == "pinned_host":
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s.with_memory_kind("device"),
+                                    weak_type=getattr(x, "weak_type", False))
+    return x
+
+
+def wrap(jitted: Any, program: Program, args: Any, flat: Sequence[Any],
+         donate_flat: Sequence[int], mode: bool | str | Predicate, device: Any,
+         jit_kwargs: dict[str, Any]) -> tuple[Any, StateOffload | None]:
+    """``jitted`` (a ``jax.jit`` of a flat step) with the optimizer state streamed from host
+    memory: the jit of :func:`stream`'s function and the :class:`StateOffload` it carries
+    out (None, and ``jitted`` unchanged, when no leaf qualifies)."""
+    kinds = _jax.memory_kinds(device)
+    if "pinned_host" not in kinds:
+        platform = getattr(device, "platform", "this backend")
+        raise ValueError(
+            f"jaxmem.optimize(offload_state=...): the optimizer state needs a 'pinned_host' "
+            f"memory kind to live in, but the {platform} device has "
+            f"{sorted(kinds) or 'none'}; pass offload_state=False, or compile for a target "
+            "with host memory (GPU, TPU, CPU)")
+    inputs, outputs, names = select(program, args, _out_shapes(program), mode)
+    if not inputs:
+        return jitted, None
+    fn, groups, largest, per_use = stream(jitted.__wrapped__, flat, inputs, outputs)
+    info = StateOffload(inputs, outputs, names, sum(_shard_bytes(flat[i]) for i in inputs),
+                        largest, groups, _param_bytes(program, inputs, flat), per_use)
+    return jax.jit(fn, donate_argnums=tuple(donate_flat),
+                   out_shardings=_out_shardings(program, flat, inputs, outputs),
+                   **jit_kwargs), info
+
+
+def _out_shardings(program: Program, flat: Sequence[Any], inputs: Sequence[int],
+                   outputs: Sequence[int]) -> list[Any] | None:
+    """``out_shardings`` for the streamed step: each written-back state leaf keeps its
+    input's sharding in ``pinned_host`` memory, everything else is left to the compiler
+    (None).
+
+    jax aliases a donated input to its output (``tf.aliasing_output``) only when the output's
+    sharding is given; otherwise it leaves the donation to XLA (``jax.buffer_donor``), which
+    does not alias across memory kinds. With the alias, XLA places the donated state in the
+    host memory its new value is written to, also on a compile-only topology (whose
+    shardings carry no memory kind): without it, a sharded (FSDP) state would stay on the
+    device. None when no input has a sharding (the defaults apply)."""
+    out: list[Any] = [None] * len(program.outputs)
+    for i, j in zip(inputs, outputs, strict=True):
+        s = getattr(flat[i], "sharding", None)
+        try:
+            out[j] = s.with_memory_kind("pinned_host")
+        except (AttributeError, NotImplementedError, ValueError):
+            return None  # no sharding to keep (or none that takes a memory kind)
+    return out
+
+
+def _out_shapes(program: Program) -> Any:
+    """The step's outputs as ``ShapeDtypeStruct`` s, in their pytree."""
+    return jax.tree_util.tree_unflatten(program.out_tree, [
+        jax.ShapeDtypeStruct(v.shape, v.aval.dtype if v.aval is not None else v.dtype)
+        for v in (program.values[o] for o in program.outputs)])
+
+
+def preview(program: Program, args: Any, mode: bool | str | Predicate,
+            flat: Sequence[Any]) -> StateOffload | None:
+    """What offloading the state would move, from the step's own program (before any
+    rewrite): the :class:`StateOffload` :func:`wrap` would carry out, or None."""
+    inputs, outputs, names = select(program, args, _out_shapes(program), mode)
+    if not inputs:
+        return None
+    _, groups, largest, per_use, _ = _layout(program, inputs, outputs,
+                                             _fractions(flat, inputs))
+    return StateOffload(inputs, outputs, names, sum(_shard_bytes(flat[i]) for i in inputs),
+                        largest, len(groups), _param_bytes(program, inputs, flat), per_use)
+
+
+def _param_bytes(program: Program, inputs: Sequence[int], flat: Sequence[Any]) -> int:
+    """Bytes of the offloaded leaves the forward or backward pass reads (the parameters)."""
+    model = param_offload.model_reads(program)
+    return sum(_shard_bytes(flat[i]) for i in inputs if program.inputs[i] in model)
+
+
+def _ms(seconds: float) -> str:
+    return f"{1e3 * seconds:.1f} ms/step"
+
+
+def with_budget(search: Callable[[Any], Any], budget: Any, mode: bool | str | Predicate,
+                info: StateOffload | None, plain_peak: Callable[[], int],
+                profile: Any = "h100") -> tuple[Any, bool]:
+    """The budget search, weighing the state's offload against residual recompute/offload.
+
+    ``search(budget) -> Plan`` is the residual planner (:func:`jaxmem.plan_with_budget`).
+    With ``mode="auto"``, when the residual plan alone meets the budget its recompute time
+    (its FLOPs at the profile's rate) is weighed against the state's time on the host link
+    (:meth:`StateOffload.transfer_time`, none of it assumed hidden): the state stays on the
+    device unless moving it costs less, and then the residuals are planned again with the
+    room it frees and the cheaper of the two runs. When the residual plan cannot meet the
+    budget, and always with ``mode=True``, the state goes to host memory and the residuals
+    are planned against the budget plus the device bytes that frees (the state less the
+    groups in flight).
+
+    Returns ``(plan, offload the state?)``; the plan's notes say what moves and its cost.
+    """
+    from jaxmem.analyzing.costmodel import DeviceProfile
+    from jaxmem.planning.budget.units import BudgetError, resolve_budget
+    if not mode or info is None:
+        return search(budget), False
+    freed = max(info.nbytes - WINDOW * info.largest_group, 0)
+    prof = DeviceProfile.get(profile)
+    link = info.transfer_time(prof)
+    cost = f"{1e3 * link:.1f} ms/step over the host link ({prof.name})"
+    if mode == "auto":
+        try:
+            plan = search(budget)
+        except BudgetError as e:
+            why = f"residuals alone reach {fmt_bytes(e.minimum_bytes)}"
+        else:
+            recompute = plan.recompute_flops / prof.flops_per_s
+            kept = (f"optimizer state kept on the device: the budget is met without moving "
+                    f"its {fmt_bytes(info.nbytes)} ({_ms(recompute)} of recompute; "
+                    f"offloading it would cost {cost})")
+            if recompute <= link:
+                return dataclasses.replace(plan, notes=plan.notes + (kept,)), False
+            b = resolve_budget(budget, plain_peak())
+            try:
+                moved = search(b + freed)
+            except BudgetError:
+                return dataclasses.replace(plan, notes=plan.notes + (kept,)), False
+            other = moved.recompute_flops / prof.flops_per_s
+            if other + link >= recompute:
+                return dataclasses.replace(plan, notes=plan.notes + (kept,)), False
+            note = (f"budget {fmt_bytes(b)}: optimizer state to host memory ({cost}) with "
+                    f"{_ms(other)} of recompute, against {_ms(recompute)} of recompute "
+                    f"with the state on the device; residuals planned against "
+                    f"{fmt_bytes(b + freed)}")
+            return dataclasses.replace(moved, budget=b, notes=moved.notes + (note,)), True
+    else:
+        why = "offload_state=True"
+    b = resolve_budget(budget, plain_peak())
+    plan = search(b + freed)
+    note = (f"budget {fmt_bytes(b)} ({why}): optimizer state to host memory frees "
+            f"{fmt_bytes(freed)} for {cost}; residuals planned against "
+            f"{fmt_bytes(b + freed)}")
+    return dataclasses.replace(plan, budget=b, notes=plan.notes + (note,)), True

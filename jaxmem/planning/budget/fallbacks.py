@@ -1,0 +1,140 @@
+"""What the budget search tries when the cost model cannot reach the budget.
+
+Part of the third box of the data flow (``Analysis -> Plan`` under a budget). Each fallback
+compiles its candidates through the search's callbacks and returns the best that fits:
+
+- :func:`best_block_plan` — ``jax.checkpoint(nothing_saveable)``-style block plans
+  (:func:`jaxmem.planning.strategies.plan_blocks`) at every block depth, the roomiest one re-saved
+  (:func:`resaved`);
+- :func:`block_offload_plan` — block plans with their boundary values in host memory;
+- segments (Chen's sqrt(n), :func:`jaxmem.planning.strategies.plan_segments`) are tried by the
+  search loop itself, since they go through the same compile-and-check as its own plans.
+
+Set ``JAXMEM_BUDGET_DEBUG=1`` to print one line per compiled candidate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+
+from jaxmem.analyzing.analysis import Analysis
+from jaxmem.analyzing.costmodel import CostModel
+from jaxmem.planning.plan import Plan
+from jaxmem.planning.strategies import block_depths, block_offload_candidates, plan_blocks, resave
+from jaxmem.xla.measure import Figures, fmt_bytes
+
+__all__ = ["DevicePeak", "Found", "best_block_plan", "block_offload_plan", "debug", "resaved"]
+
+_DEBUG = bool(os.environ.get("JAXMEM_BUDGET_DEBUG"))
+
+#: ``(plan, compiled figures) -> (device peak, note or None)``: the peak to check against
+#: the budget (on CPU, XLA's compiled peak still counts offloaded values; see
+#: :func:`jaxmem.optimized.device_peak`).
+DevicePeak = Callable[[Plan, Figures], tuple[int, str | None]]
+
+
+def debug(line: str) -> None:
+    """One line of the search's trace, when ``JAXMEM_BUDGET_DEBUG`` is set."""
+    if _DEBUG:
+        print(f"jaxmem budget loop {line}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Found:
+    """What a fallback found: the best fitting plan (or None), the compiles it spent and
+    the lowest (device) peak it saw."""
+
+    plan: Plan | None
+    figures: Figures | None
+    compiles: int
+    lowest: int | None
+    device_peak: int | None = None
+    note: str | None = None
+    time: float = 0.0          # predicted extra step time, seconds (block offload)
+
+
+def best_block_plan(analysis: Analysis, requested: int,
+                    compile_plan: Callable[[Plan], Figures]) -> Found:
+    """Block plans at every block depth, compiled: the fitting one with the fewest FLOPs,
+    after the one with the most headroom spent some of it on re-saving (:func:`resaved`)."""
+    fitting, lowest, n = [], None, 0
+    for depth in block_depths(analysis.program):
+        blk = plan_blocks(analysis, depth)
+        fig = compile_plan(blk)
+        n += 1
+        lowest = fig.peak if lowest is None else min(lowest, fig.peak)
+        debug(f"(blocks, depth {depth}): compiled {fmt_bytes(fig.peak)}, {fig.flops:.4g} FLOPs")
+        if fig.peak <= requested:
+            fitting.append((fig.flops, depth, blk, fig))
+    if fitting:
+        # the block plan with the most headroom keeps some of what it re-creates again
+        roomy = min(fitting, key=lambda t: (t[3].peak, t[0]))
+        (blk, fig), k = resaved(analysis, roomy[2], roomy[3], requested, compile_plan)
+        n += k
+        fitting.append((fig.flops, roomy[1], blk, fig))
+    cheapest = min(fitting, key=lambda t: (t[0], t[1]), default=None)
+    if cheapest is None:
+        return Found(None, None, n, lowest)
+    return Found(cheapest[2], cheapest[3], n, lowest)
+
+
+def block_offload_plan(model: CostModel, analysis: Analysis, requested: int,
+                       compile_plan: Callable[[Plan], Figures], device_peak: DevicePeak
+                       ) -> Found:
+    """Block plans at the shallowest block depth with their boundary values offloaded,
+    earliest first (the longest windows to hide a round trip in): all of them, then the
+    earliest half, quarter, ... while the device peak still fits."""
+    prog = model.program
+    depths = block_depths(prog)
+    if not depths:
+        return Found(None, None, 0, None)
+    depth = depths[0]
+    cands = sorted(block_offload_candidates(analysis, depth),
+                   key=lambda v: prog.values[v].producer)
+    found, n, lowest = Found(None, None, 0, None), 0, None
+    k = len(cands)
+    while k >= 1:
+        blk = plan_blocks(analysis, depth, offload=cands[:k])
+        fig = compile_plan(blk)
+        n += 1
+        dev, note = device_peak(blk, fig)
+        lowest = dev if lowest is None else min(lowest, dev)
+        debug(f"(blocks+offload, depth {depth}, {k} offloaded): device peak {fmt_bytes(dev)}")
+        if dev > requested:
+            break
+        t = (blk.recompute_flops / model.profile.flops_per_s
+             + model.transfer(blk.offload, depth))
+        found = Found(blk, fig, 0, None, dev, note, t)
+        k //= 2
+    return dataclasses.replace(found, compiles=n, lowest=lowest)
+
+
+def resaved(analysis: Analysis, blk: Plan, fig: Figures, requested: int,
+            compile_plan: Callable[[Plan], Figures], rounds: int = 4
+            ) -> tuple[tuple[Plan, Figures], int]:
+    """Spend a fitting block plan's headroom on keeping values again
+    (:func:`jaxmem.planning.strategies.resave`), compiling each round; a round that compiles over
+    the
+    budget is retried once with half the headroom. Returns ``((plan, figures), compiles)``."""
+    n = 0
+    aim = int(0.98 * requested)
+    for _ in range(rounds):
+        head = aim - fig.peak
+        if head <= 0:
+            break
+        for h in (head, head // 2):
+            cand = resave(analysis, blk, h)
+            if cand is blk:
+                return (blk, fig), n
+            f = compile_plan(cand)
+            n += 1
+            debug(f"(re-save, {fmt_bytes(h)} headroom): compiled {fmt_bytes(f.peak)}, "
+                  f"{f.flops:.4g} FLOPs")
+            if f.peak <= requested and f.flops < fig.flops:
+                blk, fig = cand, f
+                break
+        else:
+            break
+    return (blk, fig), n

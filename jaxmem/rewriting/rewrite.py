@@ -1,0 +1,388 @@
+"""Apply a :class:`~jaxmem.planning.plan.Plan` to a whole program: the joint-jaxpr rewrite.
+
+Fourth box of the data flow: ``Program + Plan -> new function`` (:func:`apply`). A train
+step already holds its backward pass, so ``jax.checkpoint`` cannot be applied to it; instead
+the flattened program is replayed equation by equation and
+
+- a residual marked RECOMPUTE is re-emitted just before the backward region that reads it,
+  from the values the plan keeps, behind ``lax.optimization_barrier`` tied to that region's
+  cotangents, so XLA can neither merge it back into the forward pass (CSE) nor hoist it;
+- a residual marked OFFLOAD is copied to ``pinned_host`` after it is made and back to the
+  device one backward region before it is read (prefetch);
+- a primitive with a lean equivalent in :mod:`jaxmem.rewriting.substitutes` (max-pooling's
+  derivative) is emitted as that equivalent;
+- where a concatenation's cotangent is split across backward regions, the cotangents that
+  cross regions are materialised where they are made (:func:`crossing_cotangents`).
+
+Each chain is re-emitted once per backward region (a run of backward nodes of one layer),
+not once per reading equation; where chains start and how regions are cut is
+:mod:`jaxmem.analyzing.chains`'s. Every equation is re-bound under its original name stack and
+traceback, so profiles and later analyses still read the same layer paths.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+from jax import lax
+
+from jaxmem import _jax
+from jaxmem.analyzing.analysis import find_residuals
+from jaxmem.analyzing.chains import backward_regions, chain_start, is_anchor, replay_chain
+from jaxmem.planning.plan import Plan
+from jaxmem.rewriting.substitutes import substitute_for
+from jaxmem.tracing.program import Node, Program, region_of
+
+__all__ = ["apply", "crossing_cotangents", "narrow_residuals", "rewrite"]
+
+
+class _Replay:
+    def __init__(self, program: Program, recompute: frozenset[int], offload: frozenset[int],
+                 residuals: frozenset[int], prefetch: bool = True,
+                 reuse: frozenset[int] = frozenset(), narrow: frozenset[int] = frozenset(),
+                 region_depth: int | None = None, tie_kept: bool = False,
+                 substitute: bool = True, cut_cotangents: bool | None = None) -> None:
+        self.p = program
+        self.substitutes = {n.index: fn for n in program.nodes
+                            if substitute and (fn := substitute_for(n.eqn)) is not None}
+        self.depth = region_depth
+        crossing = crossing_cotangents(program, region_depth)
+        if cut_cotangents is None:  # on where a concatenation's cotangent is split across
+            cut_cotangents = any(
+                (m := program.nodes[i]).primitive in _SPLITS
+                and region_of(m, region_depth) != region_of(
+                    program.nodes[program.values[v].producer], region_depth)
+                for v in crossing for i in program.users.get(v, ()))
+        self.cut = crossing if cut_cotangents else frozenset()
+        self.tie_kept = tie_kept
+        self.narrow = narrow
+        self.recompute = recompute
+        self.offload = offload
+        self.reuse = reuse
+        self.starts = chain_start(program, dropped=recompute, kept=residuals, offloaded=offload)
+        # A region opens at the first node of each run that reads a re-created or fetched
+        # value (jaxmem.analyzing.chains.backward_regions): there the re-created values are dropped.
+        self.opens = frozenset(r[0] for r in backward_regions(
+            program, lambda n: any(v in recompute or v in offload for v in n.inputs),
+            region_depth))
+        self.run_of: dict[int, int] = {}
+        self.ahead: dict[int, list[int]] = {}   # node index -> offloaded values to fetch there
+        if prefetch and offload:
+            self._plan_prefetch()
+
+    def _plan_prefetch(self) -> None:
+        """Backward runs: maximal runs of consecutive backward nodes of one region key. An
+        offloaded value first read in run k is fetched at the start of run k-1."""
+        program = self.p
+        runs = backward_regions(program, None, self.depth)
+        reads: list[dict[int, None]] = []
+        for k, run in enumerate(runs):
+            reads.append({})
+            for i in run:
+                n = program.nodes[i]
+                self.run_of[i] = k
+                for v in n.inputs:
+                    if v in self.offload:
+                        reads[-1][v] = None
+                # offloaded values the run's recompute chains start from are read there too
+                redo = [v for v in n.inputs if v in self.recompute]
+                if redo:
+                    for a in replay_chain(program, redo, self.starts)[1]:
+                        if a in self.offload:
+                            reads[-1][a] = None
+        for k in range(1, len(runs)):
+            early = [v for v in reads[k] if program.values[v].producer < runs[k - 1][0]]
+            if early:
+                self.ahead[runs[k - 1][0]] = early
+
+    def emit(self, n: Node, ins: list[Any]) -> list[Any]:
+        """Re-bind node ``n`` on ``ins`` (its lean substitute where there is one)."""
+        with _jax.user_context(n.eqn.source_info.traceback, n.stack):
+            sub = self.substitutes.get(n.index)
+            return sub(*ins) if sub is not None else _jax.bind(n.eqn, *ins)
+
+    def tied(self, v: int) -> bool:
+        """A kept value a backward region reads through its barrier (``tie_kept``)."""
+        val = self.p.values[v]
+        if val.is_const or v in self.p.constant_derived or v in self.recompute \
+                or v in self.offload:
+            return False
+        return val.producer is not None and self.p.nodes[val.producer].phase == "forward"
+
+    def tie(self, n: Node, env: dict[int, Any]) -> list[Any]:
+        """The values a barrier ties re-created or fetched values to: ``n``'s inputs made in
+        the backward pass (its cotangents).
+
+        Forward values are never tied: a barrier operand must be materialised, and a value
+        XLA would otherwise re-derive in place (a broadcast zero of a ReLU's derivative, an
+        iota) would be kept as a whole buffer from the forward pass to this region.
+        """
+        return [env[v] for v in dict.fromkeys(n.inputs)
+                if (u := self.p.values[v].producer) is not None
+                and self.p.nodes[u].phase == "backward" and v not in self.p.constant_derived]
+
+    def run(self, *flat_args: Any) -> list[Any]:
+        p = self.p
+        env: dict[int, Any] = {}
+        for vid, x in zip(p.inputs, flat_args, strict=True):
+            env[vid] = x
+        for v in p.values:
+            if v.is_const:
+                env[v.id] = v.const
+        host: dict[int, Any] = {}
+        region: tuple[str, str] | None = None
+        cache: dict[int, Any] = {}
+        reused: dict[int, Any] = {}      # reuse: re-created copies later regions read too
+        fetched: dict[tuple[int, int], Any] = {}  # (run, value) -> prefetched device copy
+        last_backward: list[Any] = []
+        for n in p.nodes:
+            if n.index in self.ahead:
+                self.prefetch(n, env, host, fetched, last_backward)
+            needs = [v for v in n.inputs if v in self.recompute or v in self.offload]
+            if n.index in self.opens:
+                region, cache = region_of(n, self.depth), dict(reused)
+            if self.tie_kept and n.phase == "backward" and region_of(n, self.depth) == region:
+                # Block mode: the region reads its kept inputs through its barrier too, as
+                # jax.checkpoint does, so XLA cannot hoist copies of them (a transposed
+                # layout for a weight gradient) into the forward pass and keep both.
+                needs += [v for v in n.inputs if self.tied(v)]
+            if n.phase == "backward" and needs:
+                run = self.run_of.get(n.index)
+                for (r, v), x in fetched.items():
+                    if r == run and v not in cache:
+                        cache[v] = x
+                tie = self.tie(n, env) or last_backward
+                self.materialise([v for v in dict.fromkeys(needs) if v not in cache],
+                                 env, host, cache, tie)
+                if self.reuse:
+                    reused.update({v: x for v, x in cache.items() if v in self.reuse})
+                ins = [cache[v] if v in cache else env[v] for v in n.inputs]
+            else:
+                ins = [env[v] for v in n.inputs]
+            outs = self.emit(n, ins)
+            if n.phase == "forward" and any(o in self.narrow for o in n.outputs):
+                outs = [lax.optimization_barrier(x) if o in self.narrow else x
+                        for o, x in zip(n.outputs, outs, strict=True)]
+            if n.phase == "backward" and any(o in self.cut for o in n.outputs):
+                outs = [lax.optimization_barrier(x) if o in self.cut else x
+                        for o, x in zip(n.outputs, outs, strict=True)]
+            for o, x in zip(n.outputs, outs, strict=True):
+                env[o] = x
+                if o in self.offload:
+                    with _jax.user_context(n.eqn.source_info.traceback, n.stack):
+                        host[o] = jax.device_put(x, _jax.host_space())
+            if n.phase == "backward" and outs:
+                last_backward = [outs[0]]
+        return [env[v] for v in p.outputs]
+
+    def prefetch(self, n: Node, env: dict[int, Any], host: dict[int, Any],
+                 fetched: dict[tuple[int, int], Any], last_backward: list[Any]) -> None:
+        """Fetch the offloaded values the next backward run reads, at the start of this one,
+        tied to this run's cotangents (so the copy overlaps this run's compute)."""
+        vs = [v for v in self.ahead[n.index] if v in host]
+        if not vs:
+            return
+        tie = self.tie(n, env) or last_backward
+        operands = [host[v] for v in vs]
+        if tie:
+            operands, _ = lax.optimization_barrier((operands, list(tie)))
+        run = self.run_of[n.index] + 1
+        for v, x in zip(vs, operands, strict=True):
+            m = self.p.nodes[self.p.values[v].producer]
+            with _jax.user_context(m.eqn.source_info.traceback, m.stack):
+                fetched[(run, v)] = jax.device_put(x, _jax.device_space())
+
+    def materialise(self, targets: list[int], env: dict[int, Any], host: dict[int, Any],
+                    cache: dict[int, Any], tie: list[Any]) -> None:
+        if not targets:
+            return
+        redo = [v for v in targets if v in self.recompute]
+        nodes, anchors = replay_chain(self.p, redo, self.starts, cache) if redo else ([], [])
+        # Offloaded values read here, directly or as a chain's start, come back from host.
+        fetch = list(dict.fromkeys([v for v in targets if v in self.offload]
+                                   + [a for a in anchors if a in self.offload]))
+        # Kept values a block region reads (tie_kept) pass the barrier as they are.
+        anchors = list(dict.fromkeys(
+            [a for a in anchors if not self.p.values[a].is_const and a not in self.offload]
+            + [v for v in targets if v not in self.offload and v not in self.recompute]))
+        operands = [env[a] for a in anchors] + [host[v] for v in fetch]
+        if tie and operands:
+            # The barrier makes the re-created values depend on this region's cotangents, so
+            # XLA cannot compute them early, nor CSE them with the forward originals.
+            operands, _ = lax.optimization_barrier((operands, list(tie)))
+        local = dict(cache)
+        for a, x in zip(anchors, operands[:len(anchors)], strict=True):
+            local[a] = x
+        for v, x in zip(fetch, operands[len(anchors):], strict=True):
+            n = self.p.nodes[self.p.values[v].producer]
+            with _jax.user_context(n.eqn.source_info.traceback, n.stack):
+                cache[v] = local[v] = jax.device_put(x, _jax.device_space())
+        for i in nodes:
+            n = self.p.nodes[i]
+            ins = [local[v] if v in local else env[v] for v in n.inputs]
+            outs = self.emit(n, ins)
+            for o, x in zip(n.outputs, outs, strict=True):
+                local[o] = x
+                # Block regions re-run a block once: later readers in the region reuse
+                # every value of the replayed chain, not only the targets.
+                if o in self.reuse or self.depth is not None:
+                    cache[o] = x
+        for v in targets:
+            if v not in self.offload:
+                cache[v] = local[v]
+
+
+_SPLITS = ("split", "slice")
+
+
+def crossing_cotangents(program: Program, region_depth: int | None = None) -> frozenset[int]:
+    """Backward values read by a backward region other than the one that makes them.
+
+    A concatenation's cotangent is split among the regions of its pieces (DenseNet: layer
+    ``l``'s input gradient is sliced by every earlier layer). XLA fuses the producer of such
+    a value into each reader rather than materialising it once, so the producer's inputs —
+    re-created activations, ReLU derivatives — stay live across every later region; on the
+    zoo DenseNet three layers' worth at once. :func:`rewrite` can pass these values through
+    an ``optimization_barrier`` where they are made (``cut_cotangents``)."""
+    return program.crossing("backward", region_depth)
+
+
+def narrow_residuals(program: Program, kept: frozenset[int]) -> frozenset[int]:
+    """Kept forward residuals that XLA would store as a wider operand unless kept narrow.
+
+    A narrow value (a dropout mask ``lt(uniform, p)``: 1 byte per element) made by a fusible
+    op from a wider operand that is itself made from the program's inputs alone (random bits
+    from a key): XLA fuses the cheap op into every reader and keeps the wide operand alive for
+    the backward pass. Narrow values of activations (a ReLU mask of a conv output) are left
+    alone: XLA re-derives those from activations it keeps anyway.
+    """
+    out = set()
+    for v in kept:
+        p = program.values[v].producer
+        if p is None or is_anchor(program, v):
+            continue
+        n = program.nodes[p]
+        if n.phase != "forward":
+            continue
+        wide = [u for u in n.inputs if not program.values[u].is_const
+                and program.values[u].nbytes > program.values[v].nbytes]
+        if wide and all(_from_inputs_only(program, u) for u in wide):
+            out.add(v)
+    return frozenset(out)
+
+
+def _from_inputs_only(program: Program, v: int) -> bool:
+    """Whether ``v``'s fusible chain starts only from program inputs and constants."""
+    nodes, starts = replay_chain(program, [v], chain_start(program))
+    return bool(nodes) and all(program.values[u].producer is None for u in starts)
+
+
+def apply(program: Program, plan: Plan, **options: Any) -> Callable[..., list[Any]]:
+    """The function that carries out ``plan`` on ``program``: the fourth box of the data flow.
+
+    Every value the plan chose for (its residuals and the anchors it decided on) that it
+    neither recomputes nor offloads is kept, as are the plan's ``keep`` values (a block
+    plan's boundaries); regions are cut at the plan's ``region_depth``.
+
+    Args:
+      program: the traced program the plan's analysis was made from.
+      plan: a :class:`~jaxmem.planning.plan.Plan` (:mod:`jaxmem.planning.strategies`,
+      :mod:`jaxmem.planning.budget`).
+      **options: :func:`rewrite`'s keyword options (``prefetch``, ``reuse``,
+        ``keep_narrow``, ``tie_kept``, ``substitute``, ``cut_cotangents``).
+
+    Returns:
+      A function of the program's flat inputs returning its flat outputs; jit it.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxmem
+      >>> from jaxmem.planning.strategies import plan_auto
+      >>> step = jax.value_and_grad(lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2))
+      >>> args = (jnp.ones((8, 8)), jnp.ones((4, 8)))
+      >>> prog = jaxmem.trace(step, *args)
+      >>> fn = apply(prog, plan_auto(jaxmem.analyzing.analysis.from_program(prog)))
+      >>> loss, g = jax.jit(fn)(*args)
+    """
+    chosen = frozenset(c.residual.value for c in plan.choices)
+    return rewrite(program, plan.recompute, plan.offload, chosen | plan.keep,
+                   region_depth=plan.region_depth, **options)
+
+
+_RENAMED = {"persist": "reuse", "pin_narrow": "keep_narrow", "route_kept": "tie_kept"}
+
+
+def rewrite(program: Program, recompute: Iterable[int] = frozenset(),
+            offload: Iterable[int] = frozenset(),
+            residuals: Iterable[int] | None = None, *, prefetch: bool = True,
+            reuse: Iterable[int] = frozenset(), keep_narrow: bool = True,
+            region_depth: int | None = None, tie_kept: bool | None = None,
+            substitute: bool = True, cut_cotangents: bool | None = None,
+            **renamed: Any) -> Callable[..., list[Any]]:
+    """A function of the program's flat inputs that recomputes / offloads the given values.
+
+    :func:`apply` calls it with a plan's sets; call it directly to try sets by hand.
+
+    Args:
+      program: the traced program (see :func:`jaxmem.program.trace`).
+      recompute: value ids to drop after the forward pass and re-create in the backward.
+      offload: value ids to park in host memory between their forward and backward uses.
+      residuals: the kept value ids chains may start from (those in ``recompute`` or
+        ``offload`` excepted); defaults to the program's residuals.
+      prefetch: fetch each offloaded value back at the start of the backward run (a run of
+        consecutive backward nodes of one layer) *before* the one that reads it, behind a
+        barrier tied to that earlier run's cotangents, so the copy overlaps its compute.
+        ``False``: fetch in the reading run itself. Only offloaded values are affected.
+      reuse: recomputed value ids whose re-created copies later backward regions reuse
+        (segment recompute: a segment is re-run once, not once per backward region that
+        reads it). Default: none; every region re-creates what it reads.
+      keep_narrow: keep narrow residuals narrow: materialise kept residuals that are
+        narrower than an operand made from the program's inputs alone (a dropout mask
+        ``lt(uniform, p)``: 1 byte from 4) behind a barrier where they are made
+        (:func:`narrow_residuals`). Otherwise XLA fuses the cheap producer into every reader
+        and keeps the wide operand alive for the backward pass instead.
+      region_depth: cut layer paths to this many parts to form backward regions (one region
+        per block, as :func:`jaxmem.planning.strategies.plan_blocks` needs). Default: one per layer
+        path.
+      tie_kept: a backward region also ties the kept forward values it reads to its barrier,
+        as ``jax.checkpoint`` does, so XLA cannot hoist copies of them (a transposed layout
+        for a weight gradient) into the forward pass and keep both. Default: on in block
+        mode (``region_depth`` given), off otherwise (there it can force narrow masks XLA
+        would re-derive to be stored; measured worse on DenseNet).
+      substitute: emit the equivalents in :mod:`jaxmem.rewriting.substitutes` for primitives whose
+        XLA lowering holds large temporaries (max-pooling's derivative); same values.
+      cut_cotangents: pass every backward value read by another backward region through an
+        ``optimization_barrier`` where it is made (:func:`crossing_cotangents`), so XLA
+        materialises it once instead of fusing its producer into each later reader.
+        Default: on where a concatenation's cotangent is split across regions (measured:
+        zoo DenseNet auto plan −28.5% → −60.2%, U-Net −38.6% → −41.8%), off otherwise (the
+        zoo GPT's plan rose from −45.6% to −32.7% with it on).
+      **renamed: the former names ``persist``, ``pin_narrow`` and ``route_kept`` of
+        ``reuse``, ``keep_narrow`` and ``tie_kept`` (deprecated).
+    """
+    for old in renamed:
+        if old not in _RENAMED:
+            raise TypeError(f"rewrite() got an unexpected keyword argument {old!r}")
+        warnings.warn(f"rewrite({old}=...) is deprecated; use {_RENAMED[old]}=",
+                      DeprecationWarning, stacklevel=2)
+    reuse = renamed.get("persist", reuse)
+    keep_narrow = renamed.get("pin_narrow", keep_narrow)
+    tie_kept = renamed.get("route_kept", tie_kept)
+    recompute, offload = frozenset(recompute), frozenset(offload)
+    if residuals is None:
+        residuals = frozenset(r.value for r in find_residuals(program))
+    residuals = frozenset(residuals)
+    bad = [v for v in recompute | offload if program.values[v].producer is None]
+    if bad:
+        raise ValueError(f"values {bad} are program inputs or constants: nothing to recompute "
+                         "or offload")
+    narrow = (narrow_residuals(program, residuals - recompute - offload) if keep_narrow
+              else frozenset())
+    replay = _Replay(program, recompute, offload, residuals, prefetch=prefetch,
+                     reuse=frozenset(reuse) & recompute, narrow=narrow,
+                     region_depth=region_depth,
+                     tie_kept=region_depth is not None if tie_kept is None else tie_kept,
+                     substitute=substitute, cut_cotangents=cut_cotangents)
+    return replay.run
