@@ -4,9 +4,9 @@ Third box of the data flow under a budget, for a step whose layers are one ``lax
 (:mod:`jaxmem.rewriting.scans`). Each candidate :class:`~jaxmem.rewriting.scans.BodyPolicy`
 is traced (cheap) to get its exact FLOPs (jaxmem's count, loops times their trip count,
 recompute included) and the bytes it keeps for the backward pass; candidates are then
-compiled in order of FLOPs by bisection along the candidates no other beats on both FLOPs and kept bytes (their
-compiled peaks fall as their FLOPs rise): the one found has the fewest recompute FLOPs among
-the candidates that fit.
+compiled in order of FLOPs by bisection along the candidates no other beats on both FLOPs
+and kept bytes (their compiled peaks fall as their FLOPs rise): the one found has the fewest
+recompute FLOPs among the candidates that fit.
 
 :func:`choose` is the search over plain callables; :func:`choose_for` wires it to
 :class:`jaxmem.optimized.Optimized` (each candidate compiled as the whole step: the body
