@@ -202,6 +202,21 @@ def _out_axes(out_shape: Any, out_axes: Any) -> list[Any]:
     return jax.tree_util.tree_leaves(full)
 
 
+def _reduced_out_axes(reduce: str | None, out_axes: Any, axis: int) -> Any:
+    """:func:`chunked`'s ``out_axes`` once ``reduce`` is applied: ``None`` everywhere (add the
+    chunks' values) with ``reduce="sum"``, else as given, by default ``axis``."""
+    if reduce not in (None, "sum"):
+        raise ValueError(f"chunked: reduce must be None or 'sum'; got {reduce!r}.")
+    if reduce == "sum":
+        if out_axes is not _DEFAULT and out_axes is not None:
+            raise ValueError(
+                f"chunked: reduce='sum' adds every output up; do not also give out_axes "
+                f"({out_axes!r})."
+            )
+        return None
+    return axis if out_axes is _DEFAULT else out_axes
+
+
 # --- the loop ----------------------------------------------------------------------------------
 
 
@@ -274,6 +289,19 @@ def _checked_out_axes(
     return oaxes, out_leaves_shape, out_tree
 
 
+def _chunk_shapes(
+    leaves: list[Any], axes: list[Any], cut: list[int], layout: _Layout
+) -> list[jax.ShapeDtypeStruct]:
+    """The shapes of one chunk of each cut leaf (``cut``: their positions in ``leaves``)."""
+    return [
+        jax.ShapeDtypeStruct(
+            leaves[i].shape[: axes[i]] + (layout.size,) + leaves[i].shape[axes[i] + 1 :],
+            leaves[i].dtype,
+        )
+        for i in cut
+    ]
+
+
 def _run(
     body: Callable[..., tuple[Any, Any]],
     carry: Any,
@@ -308,14 +336,7 @@ def _run(
     if remat:
         call = jax.checkpoint(call, policy=policy, prevent_cse=prevent_cse)
 
-    chunk_shapes = [
-        jax.ShapeDtypeStruct(
-            leaves[i].shape[: axes[i]] + (layout.size,) + leaves[i].shape[axes[i] + 1 :],
-            leaves[i].dtype,
-        )
-        for i in cut
-    ]
-    carry_shape, out_shape = jax.eval_shape(call, carry, chunk_shapes)
+    carry_shape, out_shape = jax.eval_shape(call, carry, _chunk_shapes(leaves, axes, cut, layout))
     del carry_shape
     oaxes, out_leaves_shape, out_tree = _checked_out_axes(out_shape, out_axes, out_names,
                                                          layout)
@@ -440,17 +461,7 @@ def chunked(
             prefetch=prefetch,
             unroll=unroll,
         )
-    if reduce not in (None, "sum"):
-        raise ValueError(f"chunked: reduce must be None or 'sum'; got {reduce!r}.")
-    if reduce == "sum":
-        if out_axes is not _DEFAULT and out_axes is not None:
-            raise ValueError(
-                f"chunked: reduce='sum' adds every output up; do not also give out_axes "
-                f"({out_axes!r})."
-            )
-        out_axes = None
-    elif out_axes is _DEFAULT:
-        out_axes = axis
+    out_axes = _reduced_out_axes(reduce, out_axes, axis)
     if in_axes is _DEFAULT:
         in_axes = axis
     fn_name = getattr(fn, "__name__", type(fn).__name__)

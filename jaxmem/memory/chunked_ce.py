@@ -184,6 +184,58 @@ def _ce_total_bwd(cfg, res, g):
 _ce_total.defvjp(_ce_total_fwd, _ce_total_bwd)
 
 
+def _check_arguments(
+    hidden: jax.Array,
+    weight: jax.Array,
+    labels: jax.Array,
+    bias: jax.Array | None,
+    reduction: str,
+    token_chunks: int,
+    vocab_chunks: int,
+) -> jax.Array:
+    """A clear error for :func:`chunked_cross_entropy` arguments that do not fit each other;
+    the bias as a ``[vocab]`` array (zeros when ``bias`` is None)."""
+    if hidden.ndim < 1 or weight.ndim != 2 or hidden.shape[-1] != weight.shape[0]:
+        raise ValueError(
+            f"chunked_cross_entropy: hidden {hidden.shape} and weight {weight.shape} do not "
+            "fit; expected hidden [..., d] and weight [d, vocab] (for tied embeddings "
+            "[vocab, d], pass embedding.T)."
+        )
+    if labels.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"chunked_cross_entropy: labels has shape {labels.shape} but hidden {hidden.shape} "
+            f"needs labels of shape {hidden.shape[:-1]} (one integer label per token)."
+        )
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise ValueError(
+            f"chunked_cross_entropy: labels must be integers, got {labels.dtype}; for soft "
+            "targets use optax.softmax_cross_entropy on full logits."
+        )
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(
+            f"chunked_cross_entropy: reduction must be 'mean', 'sum' or 'none'; got "
+            f"{reduction!r}."
+        )
+    vocab = weight.shape[1]
+    if bias is None:
+        bias = jnp.zeros((vocab,), weight.dtype)
+    bias = jnp.asarray(bias)
+    if bias.shape != (vocab,):
+        raise ValueError(
+            f"chunked_cross_entropy: bias has shape {bias.shape}; expected ({vocab},) to match "
+            f"weight {weight.shape}."
+        )
+    n = math.prod(labels.shape)
+    for name, c, size in (("token_chunks", token_chunks, n), ("vocab_chunks", vocab_chunks, vocab)):
+        if isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= size:
+            what = "tokens" if name == "token_chunks" else "vocabulary entries"
+            raise ValueError(
+                f"chunked_cross_entropy: {name}={c!r} must be an int in [1, {size}] (there are "
+                f"{size} {what}: hidden {hidden.shape}, weight {weight.shape})."
+            )
+    return bias
+
+
 def chunked_cross_entropy(
     hidden: jax.Array,
     weight: jax.Array,
@@ -246,44 +298,9 @@ def chunked_cross_entropy(
       >>> dw = jax.grad(lambda w: jaxmem.chunked_cross_entropy(h, w, y, token_chunks=4))(w)
     """
     hidden, weight, labels = jnp.asarray(hidden), jnp.asarray(weight), jnp.asarray(labels)
-    if hidden.ndim < 1 or weight.ndim != 2 or hidden.shape[-1] != weight.shape[0]:
-        raise ValueError(
-            f"chunked_cross_entropy: hidden {hidden.shape} and weight {weight.shape} do not "
-            "fit; expected hidden [..., d] and weight [d, vocab] (for tied embeddings "
-            "[vocab, d], pass embedding.T)."
-        )
-    if labels.shape != hidden.shape[:-1]:
-        raise ValueError(
-            f"chunked_cross_entropy: labels has shape {labels.shape} but hidden {hidden.shape} "
-            f"needs labels of shape {hidden.shape[:-1]} (one integer label per token)."
-        )
-    if not jnp.issubdtype(labels.dtype, jnp.integer):
-        raise ValueError(
-            f"chunked_cross_entropy: labels must be integers, got {labels.dtype}; for soft "
-            "targets use optax.softmax_cross_entropy on full logits."
-        )
-    if reduction not in ("mean", "sum", "none"):
-        raise ValueError(
-            f"chunked_cross_entropy: reduction must be 'mean', 'sum' or 'none'; got "
-            f"{reduction!r}."
-        )
+    bias = _check_arguments(hidden, weight, labels, bias, reduction, token_chunks, vocab_chunks)
     d, vocab = weight.shape
-    if bias is None:
-        bias = jnp.zeros((vocab,), weight.dtype)
-    bias = jnp.asarray(bias)
-    if bias.shape != (vocab,):
-        raise ValueError(
-            f"chunked_cross_entropy: bias has shape {bias.shape}; expected ({vocab},) to match "
-            f"weight {weight.shape}."
-        )
     n = math.prod(labels.shape)
-    for name, c, size in (("token_chunks", token_chunks, n), ("vocab_chunks", vocab_chunks, vocab)):
-        if isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= size:
-            what = "tokens" if name == "token_chunks" else "vocabulary entries"
-            raise ValueError(
-                f"chunked_cross_entropy: {name}={c!r} must be an int in [1, {size}] (there are "
-                f"{size} {what}: hidden {hidden.shape}, weight {weight.shape})."
-            )
     ts = -(-n // token_chunks)
     t = -(-n // ts)
     vs = -(-vocab // vocab_chunks)

@@ -28,6 +28,11 @@ On CPU, XLA strips host placement: the program runs the same equations (results 
 identical) but the compiled figures do not show the saving; compile for a GPU target
 (``jaxmem.targets.get("h100")``) to measure it. See docs/state_offload.md.
 
+The update's groups and what each fetch waits for are worked out in
+:mod:`~jaxmem.memory.state_layout`; the leaves' bytes per device and their pairing with the
+step's outputs in :mod:`~jaxmem.memory.state_leaves`. This module holds the selection, the
+streamed step and its placement, and the weighing against the budget.
+
 Example:
   >>> import jax, jax.numpy as jnp, optax, jaxmem
   >>> tx = optax.adam(1e-3)
@@ -45,7 +50,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -54,6 +58,15 @@ from jax import lax
 
 from jaxmem import _jax
 from jaxmem.memory import param_offload
+from jaxmem.memory.state_layout import _external, _last_gradient, _layout
+from jaxmem.memory.state_leaves import (
+    _fractions,
+    _is_float,
+    _nbytes,
+    _pair_outputs,
+    _param_bytes,
+    _shard_bytes,
+)
 from jaxmem.tracing.program import Program, from_jaxpr
 from jaxmem.xla.measure import fmt_bytes
 
@@ -128,36 +141,6 @@ class StateOffload:
                 f"{prof.host_bw / 1e9:.0f} GB/s ({prof.name})")
 
 
-def _is_float(x: Any) -> bool:
-    dtype = getattr(x, "dtype", None)
-    try:
-        return dtype is not None and jax.numpy.issubdtype(dtype, jax.numpy.floating)
-    except TypeError:  # extended dtypes (PRNG keys)
-        return False
-
-
-def _nbytes(x: Any) -> int:
-    return int(getattr(x, "size", 0)) * getattr(getattr(x, "dtype", None), "itemsize", 0)
-
-
-def _shard_bytes(x: Any) -> int:
-    """Bytes of ``x`` on one device: its shard's under a sharding that splits it (FSDP),
-    else all of it."""
-    s = getattr(x, "sharding", None)
-    try:
-        shape = s.shard_shape(tuple(x.shape)) if s is not None else None
-    except (AttributeError, TypeError, ValueError):
-        shape = None
-    if shape is None:
-        return _nbytes(x)
-    return math.prod(int(d) for d in shape) * getattr(getattr(x, "dtype", None), "itemsize", 0)
-
-
-def _fractions(flat: Sequence[Any], inputs: Sequence[int]) -> dict[int, float]:
-    """Flat position -> the fraction of the leaf one device holds (1.0 unsharded)."""
-    return {i: _shard_bytes(flat[i]) / max(_nbytes(flat[i]), 1) for i in inputs}
-
-
 def select(program: Program, args: Any, outs: Any, mode: bool | str | Predicate
            ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[str, ...]]:
     """The flat input positions to keep in host memory, their outputs, and their names.
@@ -205,117 +188,6 @@ def select(program: Program, args: Any, outs: Any, mode: bool | str | Predicate
     inputs = tuple(p for p in chosen if p in pairs)
     return (inputs, tuple(pairs[p] for p in inputs),
             tuple(jax.tree_util.keystr(in_leaves[p][0]) for p in inputs))
-
-
-def _strip(path: tuple[Any, ...], n: int) -> tuple[Any, ...]:
-    return tuple(path[n:])
-
-
-def _pair_outputs(program: Program, in_leaves: list, out_leaves: list,
-                  chosen: list[int]) -> dict[int, int]:
-    """Input position -> output position of its new value: the same path below the argument
-    (inputs: ``(args, kwargs)[i][...]``; outputs: ``out[j][...]`` or the whole output)."""
-    by_path: dict[tuple[Any, ...], list[int]] = {}
-    for j, (path, _) in enumerate(out_leaves):
-        by_path.setdefault(_strip(path, 1), []).append(j)
-        by_path.setdefault(tuple(path), []).append(j)
-    pairs: dict[int, int] = {}
-    taken: set[int] = set()
-    for p in chosen:
-        path, leaf = in_leaves[p]
-        cands = [j for j in by_path.get(_strip(path, 2), []) if j not in taken
-                 and _same_aval(out_leaves[j][1], leaf)]
-        if len(cands) == 1:
-            pairs[p] = cands[0]
-            taken.add(cands[0])
-    return pairs
-
-
-def _same_aval(a: Any, b: Any) -> bool:
-    return (tuple(getattr(a, "shape", ())) == tuple(getattr(b, "shape", ()))
-            and str(getattr(a, "dtype", "")) == str(getattr(b, "dtype", "")))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Group:
-    inputs: tuple[int, ...]    # offloaded input value ids
-    nodes: tuple[int, ...]     # node indices, program order
-    outputs: tuple[int, ...]   # value ids written back to host
-    after: int                 # node index of the last non-group value the group reads
-
-
-def _groups(program: Program, state: frozenset[int], written: frozenset[int],
-            params: frozenset[int] = frozenset()) -> list[_Group]:
-    """The update split into groups (see the module docstring), in backward order. The
-    ``params`` (state the model reads too) join a group only through the equations after
-    the backward pass; their forward and backward reads are fetched per use."""
-    start = param_offload.update_start(program) if params else 0
-    parent: dict[int, int] = {s: s for s in state}
-
-    def find(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    root_of: dict[int, int] = {s: s for s in state}    # value id -> a state input it derives from
-    node_root: dict[int, int] = {}
-    for n in program.nodes:
-        roots = {find(root_of[v]) for v in n.inputs
-                 if v in root_of and (n.index >= start or v not in params)}
-        if not roots:
-            continue
-        r, *rest = roots
-        for o in rest:
-            parent[find(o)] = find(r)
-        r = find(r)
-        node_root[n.index] = r
-        for o in n.outputs:
-            root_of[o] = r
-    members: dict[int, list[int]] = {}
-    for i, r in node_root.items():
-        members.setdefault(find(r), []).append(i)
-    out = []
-    outputs = frozenset(program.outputs)
-    for r, nodes in members.items():
-        _absorb_feeders(program, nodes, node_root, outputs)
-        nodes.sort()
-        inside = {o for i in nodes for o in program.nodes[i].outputs}
-        ins = tuple(s for s in sorted(state) if find(s) == r)
-        after = -1
-        for i in nodes:
-            for v in program.nodes[i].inputs:
-                u = program.values[v].producer
-                if v not in inside and u is not None:
-                    after = max(after, u)
-        outs = tuple(v for v in sorted(written) if v in inside)
-        out.append(_Group(ins, tuple(nodes), outs, after))
-    out.sort(key=lambda g: (g.after, g.nodes[0]))
-    return out
-
-
-def _absorb_feeders(program: Program, nodes: list[int], taken: dict[int, int],
-                    outputs: frozenset[int]) -> None:
-    """Add to ``nodes`` the update equations only this group reads (adam's ``(1 - b1) * g``
-    and ``(1 - b2) * g ** 2``): the group's fetch is then tied to the gradient itself, and
-    XLA fuses them into the group's update instead of materialising each as a buffer."""
-    mine = set(nodes)
-    changed = True
-    while changed:
-        changed = False
-        for i in list(mine):
-            for v in program.nodes[i].inputs:
-                u = program.values[v].producer
-                if u is None or u in mine or u in taken:
-                    continue
-                n = program.nodes[u]
-                if n.phase != "other" or any(o in outputs for o in n.outputs):
-                    continue
-                if all(set(program.users.get(o, ())) <= mine for o in n.outputs):
-                    mine.add(u)
-                    taken[u] = -1
-                    changed = True
-    nodes[:] = sorted(mine)
 
 
 def stream(fn: Callable[..., list[Any]], avals: Sequence[Any], inputs: Sequence[int],
@@ -384,59 +256,6 @@ def stream(fn: Callable[..., list[Any]], avals: Sequence[Any], inputs: Sequence[
         return outs
 
     return run, len(groups), largest, per_use
-
-
-def _layout(program: Program, inputs: Sequence[int], outputs: Sequence[int],
-            fractions: dict[int, float] | None = None
-            ) -> tuple[frozenset[int], list[_Group], int, int, dict[int, int]]:
-    """``(params, groups, largest group's bytes, bytes fetched per use, reused)``: the state
-    the model reads too, the update's groups, what the forward and backward fetch, and the
-    nodes that take an earlier node's outputs instead (:func:`param_offload.reuse`).
-    ``fractions`` (flat position -> share of the leaf on one device) makes the byte counts
-    per device for sharded state."""
-    frac = {program.inputs[i]: f for i, f in (fractions or {}).items()}
-    state = frozenset(program.inputs[i] for i in inputs)
-    params = state & param_offload.model_reads(program)
-    groups = _groups(program, state, frozenset(program.outputs[j] for j in outputs), params)
-    in_group = {i for g in groups for i in g.nodes}
-
-    def size(v: int) -> int:
-        return int(program.values[v].nbytes * frac.get(v, 1.0))
-
-    largest = max((sum(size(s) for s in g.inputs) for g in groups), default=0)
-    params = param_offload.through_barriers(program, params) if params else params
-    for n in program.nodes:  # a barrier's output is its input's (same sharding)
-        if n.primitive == "optimization_barrier":
-            frac.update((o, frac[v]) for v, o in zip(n.inputs, n.outputs, strict=False)
-                        if v in frac)
-    again = {i: j for i, j in param_offload.reuse(program, params).items()
-             if i not in in_group and j not in in_group} if params else {}
-    per_use = sum(size(v) for n in program.nodes
-                  if n.index not in in_group and n.index not in again
-                  for v in param_offload.reads(program, n.index, params))
-    return params, groups, largest, per_use, again
-
-
-def _last_gradient(program: Program, groups: list[_Group]) -> int | None:
-    """The value made last among those the groups wait for (the last gradient)."""
-    if not groups or groups[-1].after < 0:
-        return None
-    made = program.nodes[groups[-1].after].outputs
-    ext = {v for g in groups for v in _external(program, g)}
-    return next((v for v in made if v in ext), made[0] if made else None)
-
-
-def _external(program: Program, g: _Group) -> list[int]:
-    """Values made outside the group (by the forward, backward, or shared update
-    equations) that the group reads: the gradients its fetch waits for."""
-    inside = {o for i in g.nodes for o in program.nodes[i].outputs}
-    out = []
-    for i in g.nodes:
-        for v in program.nodes[i].inputs:
-            val = program.values[v]
-            if v not in inside and val.producer is not None and v not in program.constant_derived:
-                out.append(v)
-    return list(dict.fromkeys(out))
 
 
 def _emit(n: Any, env: dict[int, Any], subs: dict[int, Any] | None = None) -> None:
@@ -558,12 +377,6 @@ def preview(program: Program, args: Any, mode: bool | str | Predicate,
                                              _fractions(flat, inputs))
     return StateOffload(inputs, outputs, names, sum(_shard_bytes(flat[i]) for i in inputs),
                         largest, len(groups), _param_bytes(program, inputs, flat), per_use)
-
-
-def _param_bytes(program: Program, inputs: Sequence[int], flat: Sequence[Any]) -> int:
-    """Bytes of the offloaded leaves the forward or backward pass reads (the parameters)."""
-    model = param_offload.model_reads(program)
-    return sum(_shard_bytes(flat[i]) for i in inputs if program.inputs[i] in model)
 
 
 def _ms(seconds: float) -> str:
