@@ -2,7 +2,8 @@
 
 Runtime dependencies are exactly the third-party packages ``jaxmem/`` imports; optional ones
 (imported inside a function, behind an ImportError that names the extra) are in their extra.
-The zoo, the examples and the tests bring their own (optax, chex, ...) through extras.
+The zoo, the examples and the tests bring their own (optax, chex, ...) through extras. JAX's
+internals are imported by ``jaxmem/_jax/`` only (the jax range in pyproject.toml rests on it).
 """
 
 from __future__ import annotations
@@ -19,6 +20,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: Imported by jaxmem only on request, with the extra that provides them.
 OPTIONAL = {"matplotlib": "plot"}
+
+#: Semi-private JAX: modules only ``jaxmem/_jax/`` may import.
+JAX_INTERNALS = ("jax._src", "jaxlib")
+
+#: JAX internals still imported outside ``jaxmem/_jax/`` (by the function that reads the
+#: thread's trace context, ``jaxmem.optimized``'s verifier): to move there, not to add to.
+JAX_INTERNALS_OUTSIDE = {"jax._src.config"}
 
 
 def _project() -> dict:
@@ -46,6 +54,41 @@ def _third_party_imports(package: Path) -> dict[str, set[str]]:
                 if top not in sys.stdlib_module_names and top != package.name:
                     found.setdefault(top, set()).add(str(path.relative_to(ROOT)))
     return found
+
+
+def _internal_jax_imports(package: Path) -> dict[str, set[str]]:
+    """``file:function`` (``file:<module>`` at module level) -> the JAX internals it imports
+    (``jax._src.config`` for ``from jax._src import config``), for every file of ``package``
+    outside ``package/_jax/``."""
+    found: dict[str, set[str]] = {}
+
+    def visit(node: ast.AST, where: str) -> None:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            where = f"{where.partition(':')[0]}:{node.name}"
+        if isinstance(node, ast.Import):
+            modules = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            modules = [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            modules = []
+        for m in modules:
+            if any(m == i or m.startswith(i + ".") for i in JAX_INTERNALS):
+                found.setdefault(where, set()).add(m)
+        for child in ast.iter_child_nodes(node):
+            visit(child, where)
+
+    for path in package.rglob("*.py"):
+        if (package / "_jax") not in path.parents:
+            visit(ast.parse(path.read_text()), f"{path.relative_to(ROOT).as_posix()}:<module>")
+    return found
+
+
+def test_semi_private_jax_use_lives_in_jaxmem_jax():
+    """Every semi-private JAX import is in jaxmem/_jax/, so a JAX upgrade is checked there."""
+    outside = {where: mods - JAX_INTERNALS_OUTSIDE
+               for where, mods in _internal_jax_imports(ROOT / "jaxmem").items()
+               if mods - JAX_INTERNALS_OUTSIDE}
+    assert outside == {}, f"import JAX internals through jaxmem._jax instead: {outside}"
 
 
 def test_runtime_dependencies_are_what_jaxmem_imports():
