@@ -25,6 +25,9 @@ One module per concern:
   every later plan drops a superset of it. The final :class:`~jaxmem.planning.plan.Plan` records the
   predicted and the compiled peaks, and is returned only if its compiled peak fits (so never
   above the plain-jit peak); its ``recompute_flops`` is :func:`jaxmem.planning.plan.recompute_cost`;
+- :mod:`~jaxmem.planning.budget.tries`, :mod:`~jaxmem.planning.budget.solving`,
+  :mod:`~jaxmem.planning.budget.outcome` — the search's record of what it checked, its
+  choice of solver for an aim, and its answer written up;
 - :mod:`~jaxmem.planning.budget.fallbacks` — when the model cannot reach the budget: greedy's
   lowest plan, block plans (re-saved), Chen's sqrt(n) segments, block plans with host
   offload. If nothing fits, :class:`BudgetError` says what the lowest peak found was and
