@@ -173,3 +173,20 @@ for old, new in _compat.DEPRECATED.items():
                for w in caught) or old in {"jaxmem.budget"} and caught == [], (old, caught)
 """
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT.parent)
+
+
+def test_architecture_page_matches_the_tree():
+    """Every record docs/architecture.md names (``folder.module.Name``) exists there, and
+    every package file it names (``planning/candidates.py``) is in jaxmem/."""
+    import importlib
+
+    text = ARCHITECTURE.read_text()
+    records = set(re.findall(r"`((?:[a-z_]+\.)+[A-Z]\w*)`", text))
+    assert len(records) >= 8
+    for dotted in records:
+        module, _, name = dotted.rpartition(".")
+        assert hasattr(importlib.import_module(f"jaxmem.{module}"), name), dotted
+    files = set(re.findall(r"`([a-z_]+/[a-z_/]+\.py)(?::\w+)?`", text))
+    assert files
+    for f in files:
+        assert (ROOT / f).exists() or (ROOT.parent / f).exists(), f
