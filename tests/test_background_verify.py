@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import jaxmem
-from jaxmem import optimized, plan_cache
+from jaxmem import plan_cache
+from jaxmem.compiling import background, choose
 from jaxmem.planning import strategies
 from tests.test_plan_cache import step  # the residual tanh/gelu stack: plans to choose from
 
@@ -74,7 +75,7 @@ def test_a_thread_local_jax_context_verifies_before_the_first_call():
 def test_a_failed_background_verification_keeps_the_running_plan(monkeypatch, caplog):
     def broken(*a, **k):
         raise RuntimeError("compile failed")
-    monkeypatch.setattr(optimized.Optimized, "_verified", broken)
+    monkeypatch.setattr(choose, "verified", broken)
     bg = jaxmem.optimize(step, donate_argnums=(), verify="background")
     ref = jax.jit(step)(WS, X)
     _close(bg(WS, X), ref)
@@ -89,12 +90,12 @@ def test_a_failed_background_verification_keeps_the_running_plan(monkeypatch, ca
 
 
 def test_a_first_plan_above_the_plain_prediction_waits_for_verification(monkeypatch):
-    real = optimized.from_program
+    real = background.from_program
 
     def low_bar(program, **kw):  # the plain step predicted at one byte: no plan is below it
         a = real(program, **kw)
         return dataclasses.replace(a, peak_bytes=1) if kw else a
-    monkeypatch.setattr(optimized, "from_program", low_bar)
+    monkeypatch.setattr(background, "from_program", low_bar)
     bg = jaxmem.optimize(step, donate_argnums=(), verify="background")
     _close(bg(WS, X), jax.jit(step)(WS, X))
     entry = next(iter(bg._cache.values()))

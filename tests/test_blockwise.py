@@ -147,12 +147,13 @@ def test_a_budget_the_search_misses_falls_back_to_a_builtin_that_fits(monkeypatc
     with jit's results. (The search is made to fail here, so that the fallback is what is
     tested.)"""
     from jaxmem import optimized
+    from jaxmem.compiling import plan_step
 
     w = _nnx_mlp()
     nothing = jax.checkpoint_policies.nothing_saveable
     edited = measure.figures(measure.compile(
         jax.jit(w.with_remat(nothing).step, donate_argnums=0).lower(*w.args))).peak
-    monkeypatch.setattr(optimized, "plan_with_budget", _refuse)
+    monkeypatch.setattr(plan_step, "plan_with_budget", _refuse)
     opt = jaxmem.optimize(w.step, donate_argnums=0, budget=int(edited * 1.01))
     plan = opt.plan(*w.args)
     assert plan.loss_policy in optimized.BUILTIN_POLICIES, plan.strategy

@@ -1,0 +1,124 @@
+"""One signature of the step built: traced, planned, jitted; the cache entry it runs from.
+
+Part of the fifth box (:mod:`jaxmem.compiling`): what :class:`~jaxmem.optimized.Optimized`
+does on a cache miss. :func:`build` traces the step (:mod:`.trace_step`), analyses it,
+decides the donation (:mod:`.donation`), takes the plan from the plan cache
+(:mod:`.plan_cache`) or makes it (:mod:`.plan_step`), jits the program that runs it
+(the plain step where a budget drops nothing; the optimizer state streamed from host
+memory where asked, :mod:`jaxmem.memory.state_offload`), and returns the
+:class:`~jaxmem.compiling.entry.Entry`; with ``verify="background"`` the verification is
+scheduled on it (:mod:`.background`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from jaxmem.analyzing.analysis import Analysis, from_program
+from jaxmem.compiling import background, choose, plan_cache, steps
+from jaxmem.compiling.donation import donated_argnums
+from jaxmem.compiling.entry import Entry
+from jaxmem.compiling.offload_verify import check_offload
+from jaxmem.compiling.options import Options
+from jaxmem.compiling.plan_step import Made, make_plan
+from jaxmem.compiling.signature import Signature, bind, device_kind, device_of, profile_of
+from jaxmem.compiling.signature import shardings as shardings_of
+from jaxmem.compiling.trace_step import Traced, trace_step
+from jaxmem.memory import state_offload
+from jaxmem.planning.plan import Plan
+from jaxmem.tracing.program import flat_donated
+from jaxmem.xla import targets
+
+
+def build(opt: Any, options: Options, fn: Callable[..., Any], args: tuple[Any, ...],
+          sig: Signature, warn: Callable[[str], None]) -> Entry:
+    """The cache entry of ``fn`` on the signature ``sig`` of a call with positional
+    ``args``. ``opt``: the ``Optimized`` being built (body policies compile through it,
+    :mod:`.trace_step`); ``warn``: its once-only warning for a step with no backward."""
+    bound = bind(fn, args, sig.static, sig.static_kw, sig.leaf_static)
+    traced, analysis, step = _traced_step(opt, options, bound, sig)
+    planning = step.program.has_backward and options.strategy != "none"
+    # The plan cache holds plans; a step that streams its state from host memory decides
+    # that per call of the budget search, so it is planned afresh.
+    key = _plan_key(options, step) if planning and options.offload_state is False else None
+    cached = plan_cache.load(key) if key else None
+    # verify="background": the first call runs one unverified candidate; the others
+    # compile in a thread beside the next calls (single process only: hosts must run
+    # the same program at every step; and only where the thread traces the same way).
+    defer = background.can_defer(options, planning, cached)
+    deferred, first = False, None
+    if cached is not None:  # made before (this process, or the disk cache): no compiles
+        made = Made(dataclasses.replace(cached, donated=step.donated), None, False)
+    else:
+        made = make_plan(options, analysis, step, fn=fn, warn=warn, body=traced.body,
+                         loop_plans=traced.loop_plans, defer=defer)
+        deferred = defer and bool(made.plan.recompute) and not made.plan.offload
+        first = made.plan  # the plan the verification starts from (its donation, notes)
+        made = made._replace(plan=_noted(made.plan, traced.lean_notes, deferred))
+        if key and not deferred:
+            plan_cache.store(key, made.plan)
+    jitted, plan, compiled, host_state = _runnable(options, step, traced, made)
+    entry = Entry(analysis=analysis, plan=plan, jitted=jitted, donate_flat=step.donate_flat,
+                  plain=step.plain, compiled=compiled, static_out=bound.static_out,
+                  host_state=host_state)
+    if deferred:
+        background.schedule(entry, step,
+                            lambda on: choose.verified(first, analysis, on, options),
+                            key, traced.lean_notes)
+    return entry
+
+
+def _traced_step(opt: Any, options: Options, fn: Callable[..., Any],
+                 sig: Signature) -> tuple[Traced, Analysis, steps.Step]:
+    """The step traced and analysed, offload checked, its donation decided."""
+    traced = trace_step(opt, options, fn, sig.dyn_args, sig.kwargs)
+    analysis = from_program(traced.program)
+    flat = jax.tree_util.tree_leaves((sig.dyn_args, sig.kwargs))
+    check_offload(analysis, flat, targets.platform_of(flat) or jax.default_backend(),
+                  options.offload)
+    donated = donated_argnums(options.donate_argnums, sig.dyn_args, analysis.program)
+    step = steps.make(traced.program, fn, (sig.dyn_args, sig.kwargs), donated,
+                      flat_donated(sig.dyn_args, donated), options.jit_kwargs)
+    return traced, analysis, step
+
+
+def _plan_key(options: Options, step: steps.Step) -> str:
+    """The plan cache's key: the program, the target, the options."""
+    return plan_cache.fingerprint(step.program.jaxpr,
+                                  (step.platform, device_kind(step.flat),
+                                   shardings_of(step.flat)),
+                                  options.cache_key(step.donate_flat))
+
+
+def _noted(plan: Plan, lean_notes: tuple[str, ...], deferred: bool) -> Plan:
+    """``plan`` with the scan-body choice's notes, and the pending verification's."""
+    plan = dataclasses.replace(plan, notes=plan.notes + lean_notes)
+    if deferred:
+        plan = dataclasses.replace(plan, notes=plan.notes + (background.NOT_VERIFIED,))
+    return plan
+
+
+def _runnable(options: Options, step: steps.Step, traced: Traced,
+              made: Made) -> tuple[Any, Plan, Any, tuple[int, ...]]:
+    """The jitted step that runs the plan, the plan, its executable (None: compile on
+    the first call), and the flat argument positions kept in host memory."""
+    plan, compiled = made.plan, made.compiled
+    # A budget the plain step already fits drops nothing: run the plain step itself (its
+    # figures are the ones the budget was checked against).
+    nothing = (options.budget is not None and not (plan.recompute or plan.offload)
+               and traced.body is None and not plan.inner and not plan.loss_policy)
+    jitted = step.plain if nothing else step.running(plan, traced.body)
+    if not made.stream_state:
+        return jitted, plan, compiled, ()
+    jitted, info = state_offload.wrap(jitted, step.program, step.args, step.flat,
+                                      step.donate_flat, options.offload_state,
+                                      device_of(step.flat), options.jit_kwargs)
+    if info is None:
+        return jitted, plan, compiled, ()
+    plan = dataclasses.replace(plan, state_offload=info, compiled=None,
+                               notes=plan.notes + (info.describe(profile_of(step.flat)),))
+    return jitted, plan, None, info.inputs

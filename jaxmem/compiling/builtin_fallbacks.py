@@ -1,0 +1,125 @@
+"""What a budget falls back to when jaxmem's own plan cannot meet it, compile-checked.
+
+Part of the fifth box (:mod:`jaxmem.compiling`). A budget is a guarantee, never a hint:
+the step runs only where its compiled peak fits, else :class:`BudgetError`. When the budget
+search (:mod:`jaxmem.planning.budget`) cannot meet it, :func:`builtin_within` tries JAX's
+built-in policies (:data:`BUILTIN_POLICIES`) on the loss, around each block and around the
+whole loss, and runs the one with the fewest FLOPs that fits. A step with nothing to plan
+(no backward pass at the top level, or ``strategy="none"``) runs as the plain step, or with
+its loop and shard_map bodies planned, when that fits (:func:`unplanned_budget`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from jaxmem.analyzing.analysis import Analysis
+from jaxmem.compiling.steps import Step, read
+from jaxmem.planning import strategies
+from jaxmem.planning.budget import BudgetError, resolve_budget
+from jaxmem.planning.plan import Plan
+from jaxmem.tracing.program import backward_in_units
+from jaxmem.xla import measure
+from jaxmem.xla.measure import Figures, fmt_bytes
+
+#: The built-in policies a budget falls back to when jaxmem's own search cannot meet it.
+BUILTIN_POLICIES = ("dots_saveable", "nothing_saveable")
+
+
+def builtin_within(error: BudgetError, analysis: Analysis, step: Step,
+                   compile_plain: Callable[[], Figures]) -> tuple[Plan, Any]:
+    """A budget jaxmem's search cannot meet, tried with JAX's built-in policies: the loss
+    under ``jax.checkpoint(policy=dots_saveable | nothing_saveable)``, around each block
+    of the name stack (what ``nn.remat`` does) and around the whole loss. The one with
+    the fewest FLOPs among those whose compiled peak fits runs; none fits: ``error``
+    again, its minimum the lowest peak found either way."""
+    base = compile_plain()
+    fits, lowest = _fitting_builtins(error, step)
+    if not fits:
+        raise BudgetError(
+            f"{error} The loss under JAX's built-in policies (dots_saveable, "
+            f"nothing_saveable; per block and whole) compiled to {fmt_bytes(lowest)} at "
+            "the lowest.", error.requested_bytes, lowest) from error
+    _, _, policy, per_block, fig, exe = min(fits, key=lambda t: t[:2])
+    what = (f"jax.checkpoint(block, policy={policy}) per block" if per_block
+            else f"jax.checkpoint(loss, policy={policy})")
+    note = (f"jaxmem's budget search reached {fmt_bytes(error.minimum_bytes)}, above the "
+            f"budget {fmt_bytes(error.requested_bytes)}; the step runs as written with "
+            f"its loss under {what}, which compiled to {fmt_bytes(fig.peak)}: of JAX's "
+            "built-in policies that fit, the fewest FLOPs")
+    plan = dataclasses.replace(
+        strategies.plan_none(analysis), donated=step.donated, strategy=f"budget: {what}",
+        loss_policy=policy, loss_blocks=per_block, budget=error.requested_bytes,
+        recompute_flops=max(fig.flops - base.flops, 0.0), notes=(note,))
+    return plan.with_figures(fig, base), exe
+
+
+def _fitting_builtins(error: BudgetError, step: Step) -> tuple[list[tuple], int]:
+    """Each built-in policy, per block and whole, compiled: those within the budget as
+    ``(flops, peak, policy, per_block, figures, executable)``, and the lowest peak seen
+    (the search's minimum where none is lower)."""
+    fits, lowest = [], error.minimum_bytes
+    for policy in BUILTIN_POLICIES:
+        for per_block in (True, False):
+            jitted, wrapped = step.loss(policy, per_block)
+            try:
+                lowered = jitted.lower(*step.flat)
+            except Exception:  # noqa: BLE001 - jax.checkpoint cannot take this loss
+                continue
+            if not wrapped:  # no differentiated loss, or no blocks in its names: plain
+                continue
+            exe = measure.compile(lowered)
+            fig = read(exe, jitted, step.flat)
+            lowest = min(lowest, fig.peak)
+            if fig.peak <= error.requested_bytes:
+                fits.append((fig.flops, fig.peak, policy, per_block, fig, exe))
+    return fits, lowest
+
+
+def unplanned_budget(plan: Plan, analysis: Analysis, step: Step, budget: Any,
+                     fn: Any, planned: Any = None) -> tuple[Plan, Any]:
+    """A budget on a step with nothing to plan (no backward pass at the top level, or
+    ``strategy="none"``): the plain step runs, so its compiled peak must fit, or
+    ``BudgetError`` (a budget is a guarantee, never a hint). ``planned``: the step with
+    its loop or shard_map bodies planned, which runs if its compiled peak fits. ``fn``:
+    the user's step (named in the error)."""
+    flat = step.flat
+    exe = measure.compile(step.plain.lower(*flat))
+    base = read(exe, step.plain, flat)
+    requested = resolve_budget(budget, base.peak)
+    if planned is not None:  # bodies planned as steps of their own (loops, shard_map)
+        planned_exe = measure.compile(planned.lower(*flat))
+        fig = read(planned_exe, planned, flat)
+        if fig.peak <= requested:
+            note = (f"bodies planned as steps of their own (without the budget): the "
+                    f"step's compiled peak {fmt_bytes(fig.peak)} fits the budget "
+                    f"{fmt_bytes(requested)}")
+            return dataclasses.replace(plan, budget=requested, notes=plan.notes + (note,),
+                                       compiled=fig, baseline=base), planned_exe
+        plan = dataclasses.replace(plan, inner=())  # the plain step, if anything fits
+    why = (why_unplanned(fn, analysis) if not analysis.program.has_backward
+           else 'strategy="none" runs the plain step')
+    if base.peak > requested:
+        raise BudgetError(
+            f"jaxmem.optimize: {why}, so nothing can be recomputed or offloaded, and the "
+            f"plain step's compiled peak {fmt_bytes(base.peak)} is above the budget "
+            f"{fmt_bytes(requested)}. Raise the budget, use a smaller batch, or put the "
+            "memory-heavy part under jaxmem.checkpoint.", requested, base.peak)
+    note = (f"{why}: the plain step's compiled peak {fmt_bytes(base.peak)} fits the budget "
+            f"{fmt_bytes(requested)}")
+    return dataclasses.replace(plan, budget=requested, notes=plan.notes + (note,),
+                               compiled=base, baseline=base), exe
+
+
+def why_unplanned(fn: Any, analysis: Analysis) -> str:
+    """Why a step without a top-level backward pass gets no plan, for warnings and errors."""
+    name = getattr(fn, "__name__", "fn")
+    units = backward_in_units(analysis.program)
+    if units:
+        return (f"{name}'s jax.grad is inside a {'/'.join(units)} body, which the joint "
+                "rewrite keeps whole (no backward pass at the top level to plan; to save "
+                "memory there, wrap the loss inside the body in jaxmem.checkpoint)")
+    return (f"{name} has no backward pass (no jax.grad inside, or no parameter reaches the "
+            "loss)")

@@ -1,0 +1,172 @@
+"""The choice among compiled candidates: never above plain ``jax.jit``, nor the built-in.
+
+Part of the fifth box (:mod:`jaxmem.compiling`): ``verify`` for the automatic mode (no
+budget, no offload). :func:`verified` compiles, side by side and for their figures only
+(:mod:`.quick_compile`), the plain step, the rewrite of each candidate plan
+(:func:`rewrite_candidates`) and the user's step with its loss under the built-in policy
+:data:`LOSS_POLICY`, around the whole loss and around each block (:func:`builtin_candidates`),
+on the arguments' target; it keeps the lowest compiled peak (:func:`jaxmem.xla.measure.lowest`:
+peaks within ``PEAK_TIE``, the fewest FLOPs) and compiles that one in full to run. When no
+candidate compiles below the plain step, the plain step runs, with a warning and a note.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from jaxmem.analyzing.analysis import Analysis
+from jaxmem.compiling import quick_compile
+from jaxmem.compiling.background import cancellable
+from jaxmem.compiling.options import Options
+from jaxmem.compiling.steps import Step, read
+from jaxmem.planning import strategies
+from jaxmem.planning.plan import Plan
+from jaxmem.rewriting.scans import bodies_only
+from jaxmem.xla.measure import PEAK_TIE, Figures, fmt_bytes, lowest
+
+#: The built-in policy the automatic mode compiles as a candidate of its own, on the whole
+#: loss: what users of every JAX library can do without editing the model.
+LOSS_POLICY = "dots_saveable"
+
+
+class Candidate(NamedTuple):
+    """A plan, the jitted step that runs it, and a thunk that lowers that step."""
+
+    plan: Plan
+    jitted: Any
+    lower: Callable[[], Any]
+
+
+class Compiled(NamedTuple):
+    """A candidate compiled for its figures: its lowering and its (figures-only) executable."""
+
+    candidate: Candidate
+    figures: Figures
+    lowered: Any
+    exe: Any
+
+
+def verified(plan: Plan, analysis: Analysis, step: Step, options: Options) -> tuple[Plan, Any]:
+    """Compile the auto strategy's candidates and the plain step on the arguments'
+    target; keep the lowest peak, and return its executable with it (the first call
+    runs it instead of compiling again).
+
+    The candidates (:func:`jaxmem.planning.strategies.auto_candidates`) drop the same kind of
+    values but group their re-creation differently (per layer, per block, per block
+    with every cheap value): which one XLA keeps least of depends on the compiler, so
+    the compiler the step is for decides. One more candidate is the built-in policy
+    itself: the step traced with its loss differentiated under
+    ``jax.checkpoint(policy=dots_saveable)`` (:meth:`Step.loss`), what a user does without
+    editing the model, and the same around each block of the loss (blocks from the name
+    stack, :mod:`jaxmem.rewriting.blockwise`: what ``nn.remat`` around every block does); so
+    the automatic plan is never above them on the step's compiler.
+    If none beats the plain step's compiled peak, the plain step is kept, with a warning
+    and a note in the plan.
+    """
+    cands = rewrite_candidates(plan, analysis, step, options)
+    builtins, skipped = builtin_candidates(analysis, step, plan.donated)
+    cands += builtins
+    base, compiled = compile_candidates(step, cands)
+    best = compiled[lowest([c.figures for c in compiled])]
+    if best.figures.peak < base.figures.peak:
+        return _kept(best, base.figures, [c.plan for c in cands], skipped, step)
+    return _plain_kept(plan, analysis, best.figures, base, skipped)
+
+
+def rewrite_candidates(plan: Plan, analysis: Analysis, step: Step,
+                       options: Options) -> list[Candidate]:
+    """The rewrite's candidate plans (with ``plan``'s donation; ``plan`` itself when there
+    are none), each with its jitted rewrite and a lowering thunk."""
+    variants = [dataclasses.replace(p, donated=plan.donated) for p in
+                strategies.auto_candidates(
+                    analysis, max_recompute_fraction=options.max_recompute_fraction)]
+    if options.remat_scans:  # scanned layers: their body policy alone is a candidate too
+        variants += bodies_only(analysis, plan.donated)
+    out = []
+    for p in variants or [plan]:
+        jitted = step.rewrite(p)
+        out.append(Candidate(p, jitted, cancellable(functools.partial(jitted.lower,
+                                                                      *step.flat))))
+    return out
+
+
+def builtin_candidates(analysis: Analysis, step: Step, donated: tuple[int, ...]
+                       ) -> tuple[list[Candidate], tuple[str, ...]]:
+    """The built-in policy itself, around the whole loss and around each of its blocks
+    (nn.remat's per-block dots_saveable, blocks from the name stack): a step whose loss
+    jax.grad / value_and_grad differentiates gets both as candidates. Lowered here; the
+    notes say which could not be."""
+    out: list[Candidate] = []
+    skipped: tuple[str, ...] = ()
+    for per_block in (False, True):
+        what = (f"jax.checkpoint(block, policy={LOSS_POLICY}) per block" if per_block
+                else f"jax.checkpoint(loss, policy={LOSS_POLICY})")
+        loss_jit, wrapped = step.loss(LOSS_POLICY, per_block)
+        try:
+            loss_lowered = loss_jit.lower(*step.flat)
+        except Exception as e:  # noqa: BLE001 - jax.checkpoint cannot take this loss
+            skipped += (f"{what} not compiled: "
+                        f"{type(e).__name__}: {str(e).splitlines()[0][:160]}",)
+            continue
+        if wrapped:  # a differentiated loss (with blocks, per_block) was wrapped
+            plan = dataclasses.replace(
+                strategies.plan_none(analysis), donated=donated, strategy=what,
+                loss_policy=LOSS_POLICY, loss_blocks=per_block)
+            out.append(Candidate(plan, loss_jit,
+                                 functools.partial(lambda lowered: lowered, loss_lowered)))
+    return out, skipped
+
+
+def compile_candidates(step: Step, cands: list[Candidate]) -> tuple[Compiled, list[Compiled]]:
+    """The plain step and ``cands`` compiled side by side in threads, for their figures
+    only (:mod:`.quick_compile`): the winner alone is compiled in full to run."""
+    plain = Candidate(None, step.plain, cancellable(functools.partial(step.plain.lower,
+                                                                      *step.flat)))
+    lowered, exes = quick_compile.compile_all([plain.lower] + [c.lower for c in cands])
+    base = Compiled(plain, read(exes[0], step.plain, step.flat), lowered[0], exes[0])
+    return base, [Compiled(c, read(exe, c.jitted, step.flat), low, exe) for c, low, exe in
+                  zip(cands, lowered[1:], exes[1:], strict=True)]
+
+
+def _kept(best: Compiled, base: Figures, tried: list[Plan], skipped: tuple[str, ...],
+          step: Step) -> tuple[Plan, Any]:
+    """The winning candidate, compiled in full to run, with its figures and notes."""
+    plan, fig = best.candidate.plan, best.figures
+    exe = quick_compile.finish(best.lowered, best.exe)
+    if exe is not best.exe:  # figures of what runs: the same, or warned
+        fig = quick_compile.checked(fig, read(exe, best.candidate.jitted, step.flat))
+    if plan.strategy != "auto":
+        plan = dataclasses.replace(plan, strategy=f"auto: {plan.strategy}")
+    if plan.loss_policy:  # JAX's partial evaluation chose what is recomputed
+        plan = dataclasses.replace(
+            plan, recompute_flops=max(fig.flops - base.flops, 0.0),
+            notes=plan.notes + (
+                f"the step runs as written, its loss differentiated under "
+                f"jax.checkpoint(policy=jax.checkpoint_policies.{plan.loss_policy})"
+                + (" around each block (blocks from the name stack)"
+                   if plan.loss_blocks else "") +
+                ": it compiled lower than jaxmem's rewrites here; the residual table "
+                "above is the step's own, JAX decides what is recomputed",))
+    names = ", ".join(p.strategy for p in tried)
+    note = (f"compiled {len(tried)} candidate plan(s) for {fig.platform or 'cpu'}"
+            f" ({names}); kept the lowest peak (within {PEAK_TIE:.2%}, the fewest "
+            "FLOPs)")
+    plan = dataclasses.replace(plan, notes=plan.notes + (note,) + skipped)
+    return plan.with_figures(fig, base), exe
+
+
+def _plain_kept(plan: Plan, analysis: Analysis, best: Figures, base: Compiled,
+                skipped: tuple[str, ...]) -> tuple[Plan, Any]:
+    """No candidate below the plain step: the plain step runs, with a warning and a note."""
+    none = dataclasses.replace(strategies.plan_none(analysis), donated=plan.donated)
+    note = (f"the {plan.strategy!r} plan compiled to a peak of {fmt_bytes(best.peak)}, "
+            f"not below the plain step's {fmt_bytes(base.figures.peak)}: kept the plain step "
+            "(pass verify=False to force the plan, or try a budget)")
+    warnings.warn(f"jaxmem.optimize: {note}", stacklevel=7)
+    return (dataclasses.replace(none, notes=plan.notes + (note,) + skipped,
+                                compiled=base.figures, baseline=base.figures),
+            quick_compile.finish(base.lowered, base.exe))

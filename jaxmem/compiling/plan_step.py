@@ -1,0 +1,169 @@
+"""Plan one signature of the step, compiling candidates on its target on the way.
+
+Part of the fifth box (:mod:`jaxmem.compiling`). :func:`make_plan` starts from MEDL's auto
+plan (:func:`first_plan`), then, by the options: a budget's scan-body policy that fits alone,
+the budget search (:mod:`jaxmem.planning.budget`, its compiles from here; with the optimizer
+state's offload weighed in, :mod:`jaxmem.memory.state_offload`) and its fallbacks to JAX's
+built-in policies (:mod:`.builtin_fallbacks`), or the offload of tagged values. Without a
+budget the plan is then verified against the plain step (:mod:`.choose`; a plan that
+offloads, :mod:`.offload_verify`), or, with ``verify="background"``, the candidate the first
+calls run is picked and its verification left to the caller (:mod:`.background`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from jaxmem.analyzing.analysis import Analysis
+from jaxmem.analyzing.losses import logits_notes
+from jaxmem.analyzing.tags import offload_tagged
+from jaxmem.compiling import choose, plan_cache
+from jaxmem.compiling.background import first_to_run
+from jaxmem.compiling.builtin_fallbacks import builtin_within, unplanned_budget, why_unplanned
+from jaxmem.compiling.offload_verify import device_peak, verified_offload
+from jaxmem.compiling.options import Options
+from jaxmem.compiling.signature import profile_of
+from jaxmem.compiling.steps import Step, read, rewrite_key
+from jaxmem.memory import state_offload
+from jaxmem.planning import strategies
+from jaxmem.planning.budget import BudgetError, plan_with_budget
+from jaxmem.planning.plan import Plan
+from jaxmem.rewriting.scans import loop_plan
+from jaxmem.xla import measure
+from jaxmem.xla.measure import Figures
+
+
+class Made(NamedTuple):
+    """A plan made for one signature."""
+
+    plan: Plan
+    compiled: Any  # the plan's executable when one was compiled on the way (else None)
+    stream_state: bool  # whether the optimizer state streams from host memory
+
+
+class _Compiles:
+    """The budget search's compiles of one step, each executable kept (the chosen plan's
+    runs the first call); the plain step compiled once however often it is asked for."""
+
+    def __init__(self, step: Step) -> None:
+        self.step = step
+        self.exes: dict[Any, Any] = {}
+        self._plain: Figures | None = None
+
+    def plan(self, p: Plan) -> Figures:
+        jitted = self.step.rewrite(p)
+        exe = self.exes[rewrite_key(p)] = measure.compile(jitted.lower(*self.step.flat))
+        return read(exe, jitted, self.step.flat)
+
+    def plain(self) -> Figures:
+        # The plain step is the same program however often a search asks: compiled once
+        # (the state-offload path runs up to two searches and reads the plain peak too).
+        if self._plain is None:
+            plain, flat = self.step.plain, self.step.flat
+            exe = self.exes[None] = measure.compile(plain.lower(*flat))
+            self._plain = read(exe, plain, flat)
+        return self._plain
+
+    def exe_for(self, p: Plan) -> Any:
+        """The executable compiled for ``p`` (the plain step's when it drops nothing)."""
+        return self.exes.get(rewrite_key(p) if p.recompute or p.offload else None)
+
+
+def first_plan(analysis: Analysis, options: Options, fn: Any,
+               warn: Callable[[str], None], loop_plans: tuple[Any, ...] = ()) -> Plan:
+    """MEDL's auto plan, or keep everything (``strategy="none"``, no backward pass); a
+    step whose only backward passes are in loop bodies runs their ``loop_plans``.
+    ``warn``: says, once per ``optimize``, that a step without a backward runs as plain."""
+    if not analysis.program.has_backward and loop_plans:
+        return loop_plan(analysis, loop_plans)
+    if not analysis.program.has_backward:
+        warn(f"jaxmem.optimize: {why_unplanned(fn, analysis)}; running it as a plain "
+             "jax.jit.")
+        return strategies.plan_none(analysis)
+    if options.strategy == "none":
+        return strategies.plan_none(analysis)
+    return strategies.plan_auto(analysis,
+                                max_recompute_fraction=options.max_recompute_fraction)
+
+
+def make_plan(options: Options, analysis: Analysis, step: Step, *, fn: Any,
+              warn: Callable[[str], None], body: Any = None,
+              loop_plans: tuple[Any, ...] = (), defer: bool = False) -> Made:
+    """Plan the step (compiling candidates on its target); the chosen plan's executable
+    when one was compiled on the way; whether the optimizer state streams from host
+    memory (``offload_state``). ``loop_plans``: the plans of loop and shard_map bodies
+    planned as steps of their own (:mod:`.trace_step`). ``body``: a budget's scan-body
+    choice (:mod:`.scan_budget`). ``defer``: leave the candidates' verifying compiles to
+    the caller (``verify="background"``). ``fn``, ``warn``: for :func:`first_plan`."""
+    donated, compiled = step.donated, None
+    plan = dataclasses.replace(first_plan(analysis, options, fn, warn, loop_plans),
+                               donated=donated)
+    planning = analysis.program.has_backward and options.strategy != "none"
+    # "auto": only where a budget needs it (state_offload.with_budget decides)
+    stream_state = options.offload_state is not False and options.offload_state != "auto"
+    if planning and body is not None and body.fits:
+        # The body policy fits with no recompute outside the scan (compiled so).
+        plan = dataclasses.replace(
+            strategies.plan_auto(analysis, max_recompute_fraction=0.0), donated=donated,
+            strategy="budget: scan body", budget=body.budget, notes=body.notes)
+    elif planning and options.budget is not None:
+        plan, compiled, stream_state = _within_budget(options, analysis, step, plan, body)
+    elif planning and (options.offload is True or offload_tagged(analysis)):
+        # No budget: values tagged with jaxmem.offload_name are offloaded; offload=True
+        # also offloads kept residuals whose round trip hides under compute.
+        plan = strategies.plan_offload(analysis, plan, offload=options.offload)
+        plan = dataclasses.replace(plan, donated=donated)
+    if options.budget is not None and not planning:
+        plan, compiled = unplanned_budget(plan, analysis, step, options.budget, fn,
+                                          step.rewrite(plan) if plan.inner else None)
+    plan = dataclasses.replace(plan, notes=plan.notes + logits_notes(analysis))
+    if options.verify and options.budget is None and (plan.offload or plan.recompute):
+        plan, compiled = _verify(options, analysis, step, plan, compiled, defer)
+    return Made(plan, compiled, stream_state)
+
+
+def _within_budget(options: Options, analysis: Analysis, step: Step, auto: Plan,
+                   body: Any) -> tuple[Plan, Any, bool]:
+    """The budget search from ``auto`` (the state's offload weighed in where asked), the
+    executable it compiled for its plan, and whether the state streams from host; when
+    the search cannot meet the budget, JAX's built-in policies (never with state
+    offload)."""
+    program, flat = analysis.program, step.flat
+    compiles = _Compiles(step)
+    try:
+        plan, stream_state = state_offload.with_budget(
+            lambda b: plan_with_budget(
+                analysis, b, auto=auto,
+                compile_plan=plan_cache.progress(compiles.plan, "budget search"),
+                compile_plain=plan_cache.progress(compiles.plain, "budget search"),
+                device_peak=lambda p, fig: device_peak(program, p, fig, step.platform),
+                offload=options.offload),
+            options.budget, options.offload_state,
+            options.offload_state and state_offload.preview(
+                program, step.args, options.offload_state, flat),
+            lambda: compiles.plain().peak, profile_of(flat))
+    except BudgetError as e:
+        if options.offload_state is not False:
+            raise
+        plan, compiled = builtin_within(e, analysis, step, compiles.plain)
+        return plan, compiled, False
+    plan = dataclasses.replace(plan, donated=step.donated,
+                               notes=plan.notes + (body.notes if body else ()))
+    # the executable the search compiled for the chosen plan runs the first call
+    return plan, compiles.exe_for(plan), stream_state
+
+
+def _verify(options: Options, analysis: Analysis, step: Step, plan: Plan, compiled: Any,
+            defer: bool) -> tuple[Plan, Any]:
+    """``verify`` without a budget: the candidates against the plain step (a plan that
+    offloads: with and without its recompute); ``defer``: only the plan the first calls
+    run, the candidate that drops the most (fewest FLOPs)."""
+    if plan.offload:
+        return verified_offload(plan, analysis, step, options.offload)
+    if not defer:
+        return choose.verified(plan, analysis, step, options)
+    return first_to_run(plan, strategies.auto_candidates(
+        analysis, max_recompute_fraction=options.max_recompute_fraction),
+        logits_notes(analysis)), compiled

@@ -1,0 +1,117 @@
+"""The jitted programs one signature of a step is compiled as, and their figures.
+
+Part of the fifth box (:mod:`jaxmem.compiling`). For one signature (:mod:`.signature`) the
+step is one :class:`Step`: its traced program, the arguments it is compiled for, its
+donation (:mod:`.donation`) and the plain ``jax.jit`` of the user's own step on flat inputs
+with that donation: the baseline every plan is checked against. From it come the other
+programs a plan can run as: the joint-jaxpr rewrite of a plan (:meth:`Step.rewrite`), and
+the user's step with its loss under a built-in ``jax.checkpoint`` policy
+(:meth:`Step.loss`). :func:`read` gives a compiled one's figures for the arguments' target.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from jaxmem import _jax
+from jaxmem.planning.plan import Plan
+from jaxmem.rewriting import blockwise
+from jaxmem.rewriting.rewrite import apply
+from jaxmem.tracing.program import Program
+from jaxmem.xla import measure, targets
+from jaxmem.xla.measure import Figures
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One signature of the step: what every candidate is compiled from and for."""
+
+    program: Program  # the traced (labelled) program the plans rewrite
+    fn: Callable[..., Any]  # the user's step on the traced arguments (signature.bind)
+    args: Any  # (dyn_args, kwargs): the traced arguments (or their abstract stand-ins)
+    flat: list[Any]  # their leaves: what each candidate is lowered with
+    in_tree: Any  # the structure of the traced arguments (that the plain jit unflattens)
+    platform: str  # the arguments' platform (the default backend where they name none)
+    donated: tuple[int, ...]  # dynamic positional arguments donated
+    donate_flat: tuple[int, ...]  # the same, as flat argument positions
+    jit_kwargs: dict[str, Any]
+    plain: Any  # jax.jit of the user's own step on flat inputs (same donation): the baseline
+
+    def rewrite(self, plan: Plan) -> Any:
+        """``jax.jit`` of the joint-jaxpr rewrite of ``plan``, with the step's donation."""
+        return jax.jit(apply(self.program, plan), donate_argnums=self.donate_flat,
+                       **self.jit_kwargs)
+
+    def loss(self, policy: str, per_block: bool = False) -> tuple[Any, list[str]]:
+        """``jax.jit`` of the user's step on flat inputs with every loss it differentiates
+        under ``jax.checkpoint(policy=jax.checkpoint_policies.<policy>)``
+        (:func:`jaxmem._jax.checkpointed_losses`, applied inside the traced function, so every
+        trace of it is the checkpointed one), and the names of the losses wrapped by its
+        last trace (empty: the step differentiates nothing through ``jax.grad`` /
+        ``jax.value_and_grad``, and runs as the plain step). ``per_block``: each block of
+        the loss under its own ``jax.checkpoint`` (:mod:`jaxmem.rewriting.blockwise`); a loss
+        whose name stack gives no blocks is not wrapped then."""
+        checkpoint_policy = getattr(jax.checkpoint_policies, policy)
+        wrapped: list[str] = []
+        fn = self.fn
+
+        def checkpointed(*a: Any, **k: Any) -> Any:
+            with _jax.checkpointed_losses(
+                    checkpoint_policy,
+                    blockwise.checkpoint_blocks if per_block else None) as names:
+                out = fn(*a, **k)
+            wrapped[:] = names
+            return out
+        return plain_jit(checkpointed, self.in_tree, self.donate_flat, self.jit_kwargs), wrapped
+
+    def running(self, plan: Plan, body: Any = None) -> Any:
+        """The jitted step that runs ``plan``: the plain step, the step with its loss under
+        the built-in policy, or the rewrite. ``body``: a budget's scan-body choice (the
+        step is then traced under it, even with nothing dropped outside the scan)."""
+        if plan.strategy == "none" and body is None:
+            return self.plain
+        if plan.loss_policy:
+            return self.loss(plan.loss_policy, plan.loss_blocks)[0]
+        return self.rewrite(plan)
+
+
+def make(program: Program, fn: Callable[..., Any], args: Any, donated: tuple[int, ...],
+         donate_flat: tuple[int, ...], jit_kwargs: dict[str, Any]) -> Step:
+    """The :class:`Step` of ``fn`` on ``args`` (its plain jit built here)."""
+    flat, in_tree = jax.tree_util.tree_flatten(args)
+    platform = targets.platform_of(flat) or jax.default_backend()
+    return Step(program=program, fn=fn, args=args, flat=flat, in_tree=in_tree,
+                platform=platform, donated=donated, donate_flat=donate_flat,
+                jit_kwargs=jit_kwargs, plain=plain_jit(fn, in_tree, donate_flat, jit_kwargs))
+
+
+def plain_jit(fn: Callable[..., Any], in_tree: Any, donate_flat: tuple[int, ...],
+              jit_kwargs: dict[str, Any]) -> Any:
+    """``jax.jit`` of ``fn`` on the flat leaves of arguments of structure ``in_tree``."""
+    def flat_fn(*leaves: Any) -> Any:
+        a, k = jax.tree_util.tree_unflatten(in_tree, leaves)
+        return jax.tree_util.tree_leaves(fn(*a, **k))
+    return jax.jit(flat_fn, donate_argnums=donate_flat, **jit_kwargs)
+
+
+def figures(jitted: Any, flat: Sequence[Any]) -> Figures:
+    """Compiled figures of ``jitted`` on the flat arguments, compiled the jaxmem way, for
+    the arguments' target (jaxmem's FLOP count where that compiler reports none)."""
+    return read(measure.compile(jitted.lower(*flat)), jitted, flat)
+
+
+def read(compiled: Any, jitted: Any, flat: Sequence[Any]) -> Figures:
+    """The figures of ``compiled`` (``jitted`` compiled on ``flat``) for their target."""
+    platform = targets.platform_of(flat) or jax.default_backend()
+    return measure.compiled_figures(compiled, jitted, flat, platform=platform)
+
+
+def rewrite_key(plan: Plan) -> Any:
+    """What the rewrite of ``plan`` depends on (:func:`jaxmem.rewriting.rewrite.apply`):
+    plans equal in it compile to one program."""
+    return (plan.recompute, plan.offload, plan.region_depth, plan.keep,
+            frozenset(c.residual.value for c in plan.choices))
