@@ -24,9 +24,8 @@ OPTIONAL = {"matplotlib": "plot"}
 #: Semi-private JAX: modules only ``jaxmem/_jax/`` may import.
 JAX_INTERNALS = ("jax._src", "jaxlib")
 
-#: JAX internals still imported outside ``jaxmem/_jax/`` (by the function that reads the
-#: thread's trace context, ``jaxmem.optimized``'s verifier): to move there, not to add to.
-JAX_INTERNALS_OUTSIDE = {"jax._src.config"}
+#: JAX internals imported outside ``jaxmem/_jax/``: none (add none).
+JAX_INTERNALS_OUTSIDE: set[str] = set()
 
 
 def _project() -> dict:

@@ -83,6 +83,7 @@ from jaxmem._jax.remat import (
     checkpointed_scan_bodies,
     is_tracer,
     saved_residuals,
+    trace_context,
     tracing,
     under_differentiation,
 )
@@ -100,6 +101,7 @@ __all__ = [
     "literal_value", "lowered_platform", "memory_kinds", "name_p", "name_stack",
     "name_stack_str", "only_known_plugins", "optimization_barrier_p", "primitives",
     "replace_params", "saved_residuals", "scopes", "scopes_of", "shard_buffers",
-    "shard_map_kwargs", "shards", "source_context", "sub_jaxprs", "tracing", "transforms",
-    "transforms_of", "under_differentiation", "user_context", "varying_axes", "with_eqns",
+    "shard_map_kwargs", "shards", "source_context", "sub_jaxprs", "trace_context", "tracing",
+    "transforms", "transforms_of", "under_differentiation", "user_context", "varying_axes",
+    "with_eqns",
 ]

@@ -23,6 +23,15 @@ def saved_residuals(fn: Any, *args: Any, **kwargs: Any) -> list[tuple[Any, str]]
     return list(_saved_residuals(fn, *args, **kwargs))
 
 
+def trace_context() -> Any:
+    """This thread's JAX trace configuration (thread-local context managers such as
+    ``jax.default_matmul_precision`` and ``enable_x64`` included): equal on two threads
+    when both would trace a function the same way (semi-private ``jax._src.config``)."""
+    from jax._src import config as jax_config
+
+    return jax_config.trace_context()
+
+
 def is_tracer(x: Any) -> bool:
     return isinstance(x, jax.core.Tracer)
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 
+from jaxmem import _jax
 from jaxmem.analyzing.analysis import from_program
 from jaxmem.compiling import plan_cache
 from jaxmem.compiling.entry import Entry
@@ -65,9 +66,8 @@ def thread_sees_context() -> bool:
     """Whether a new thread traces under this thread's JAX configuration: context managers
     (``jax.default_matmul_precision``, ``enable_x64``, ...) are thread-local, and a
     background trace under different settings would be a different program."""
-    from jax._src import config as jax_config
-    here, there = jax_config.trace_context(), []
-    t = threading.Thread(target=lambda: there.append(jax_config.trace_context()))
+    here, there = _jax.trace_context(), []
+    t = threading.Thread(target=lambda: there.append(_jax.trace_context()))
     t.start()
     t.join()
     return bool(there) and there[0] == here

@@ -173,7 +173,7 @@ def choose_for(opt: Any, fn: Callable[..., Any], dyn_args: tuple[Any, ...],
     def entry(policy: BodyPolicy) -> Any:
         # The body policy with no recompute outside the scan (an auto plan capped at zero
         # FLOPs): the fewest FLOPs. When none fits so, the step's own budget search plans
-        # the outside too (optimized.py).
+        # the outside too (compiling/plan_step.py).
         if policy.name not in entries:
             sub = type(opt)(fn, strategy=opt.strategy, donate_argnums=opt.donate_argnums,
                             max_recompute_fraction=0.0, verify=False, remat_scans=policy,
