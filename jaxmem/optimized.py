@@ -220,9 +220,12 @@ def optimize(fn: Callable[..., Any] | None = None, *, budget: Any = None,
       strategy: ``"auto"`` (MEDL's rule, cost-aware) or ``"none"`` (plain jit: a baseline).
       offload: park residuals in pinned host memory (``True``/``"auto"``), see docs.
       static_argnums, static_argnames: arguments that are Python values, as in ``jax.jit``.
-      donate_argnums: ``"auto"`` donates each argument whose arrays all reappear as outputs
-        of the same shape and dtype (the train state): XLA then updates it in place. Pass
-        ``()`` to donate nothing (keep using the old arrays) or explicit indices.
+      donate_argnums: ``"auto"`` donates each argument whose leaves (arrays, or Python
+        scalars such as a flax ``TrainState``'s ``step``) all reappear as outputs of the
+        same shape and dtype (the train state): XLA then updates it in place, as with
+        ``jax.jit(step, donate_argnums=0)``; the plan's notes say why any other argument is
+        not donated. Every plain-``jax.jit`` figure the plan is checked against has the same
+        donation. Pass ``()`` to donate nothing (keep using the old arrays) or indices.
       max_recompute_fraction: cap on the recompute FLOPs of the ``"auto"`` plan, as a
         fraction of the step's FLOPs (cheapest bytes first).
       verify: compile the automatic mode's candidate plans (the rewrite's, per layer and

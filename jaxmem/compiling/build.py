@@ -19,8 +19,7 @@ from typing import Any
 import jax
 
 from jaxmem.analyzing.analysis import Analysis, from_program
-from jaxmem.compiling import background, choose, plan_cache, steps
-from jaxmem.compiling.donation import donated_argnums
+from jaxmem.compiling import background, choose, donation, plan_cache, steps
 from jaxmem.compiling.entry import Entry
 from jaxmem.compiling.offload_verify import check_offload
 from jaxmem.compiling.options import Options
@@ -40,7 +39,7 @@ def build(opt: Any, options: Options, fn: Callable[..., Any], args: tuple[Any, .
     ``args``. ``opt``: the ``Optimized`` being built (body policies compile through it,
     :mod:`.trace_step`); ``warn``: its once-only warning for a step with no backward."""
     bound = bind(fn, args, sig.static, sig.static_kw, sig.leaf_static)
-    traced, analysis, step = _traced_step(opt, options, bound, sig)
+    traced, analysis, step, not_donated = _traced_step(opt, options, bound, sig)
     planning = step.program.has_backward and options.strategy != "none"
     # The plan cache holds plans; a step that streams its state from host memory decides
     # that per call of the budget search, so it is planned afresh.
@@ -58,7 +57,8 @@ def build(opt: Any, options: Options, fn: Callable[..., Any], args: tuple[Any, .
                          loop_plans=traced.loop_plans, defer=defer)
         deferred = defer and bool(made.plan.recompute) and not made.plan.offload
         first = made.plan  # the plan the verification starts from (its donation, notes)
-        made = made._replace(plan=_noted(made.plan, traced.lean_notes, deferred))
+        made = made._replace(plan=_noted(made.plan, traced.lean_notes + not_donated,
+                                         deferred))
         if key and not deferred:
             plan_cache.store(key, made.plan)
     jitted, plan, compiled, host_state = _runnable(options, step, traced, made)
@@ -68,22 +68,23 @@ def build(opt: Any, options: Options, fn: Callable[..., Any], args: tuple[Any, .
     if deferred:
         background.schedule(entry, step,
                             lambda on: choose.verified(first, analysis, on, options),
-                            key, traced.lean_notes)
+                            key, traced.lean_notes + not_donated)
     return entry
 
 
 def _traced_step(opt: Any, options: Options, fn: Callable[..., Any],
-                 sig: Signature) -> tuple[Traced, Analysis, steps.Step]:
-    """The step traced and analysed, offload checked, its donation decided."""
+                 sig: Signature) -> tuple[Traced, Analysis, steps.Step, tuple[str, ...]]:
+    """The step traced and analysed, offload checked, its donation decided (and the notes
+    that say why an argument is not donated)."""
     traced = trace_step(opt, options, fn, sig.dyn_args, sig.kwargs)
     analysis = from_program(traced.program)
     flat = jax.tree_util.tree_leaves((sig.dyn_args, sig.kwargs))
     check_offload(analysis, flat, targets.platform_of(flat) or jax.default_backend(),
                   options.offload)
-    donated = donated_argnums(options.donate_argnums, sig.dyn_args, analysis.program)
-    step = steps.make(traced.program, fn, (sig.dyn_args, sig.kwargs), donated,
-                      flat_donated(sig.dyn_args, donated), options.jit_kwargs)
-    return traced, analysis, step
+    donated = donation.decide(options.donate_argnums, sig.dyn_args, analysis.program)
+    step = steps.make(traced.program, fn, (sig.dyn_args, sig.kwargs), donated.argnums,
+                      flat_donated(sig.dyn_args, donated.argnums), options.jit_kwargs)
+    return traced, analysis, step, donated.notes
 
 
 def _plan_key(options: Options, step: steps.Step) -> str:

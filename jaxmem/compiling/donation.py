@@ -1,52 +1,103 @@
 """Which arguments a step donates: the one place the donation is decided.
 
 Part of the fifth box (:mod:`jaxmem.compiling`). Every program compiled for one signature
-donates what :func:`donated_argnums` returns: each candidate plan's rewrite, the loss under
-the built-in policies, and the plain ``jax.jit`` of the user's step that every candidate is
+donates what :func:`decide` returns: each candidate plan's rewrite, the loss under the
+built-in policies, and the plain ``jax.jit`` of the user's step that every candidate is
 checked against (:mod:`jaxmem.compiling.steps`), so the baseline is ``jax.jit`` with the
 same donation.
+
+``donate_argnums="auto"`` donates what ``jax.jit(step, donate_argnums=i)`` can: an argument
+whose leaves are arrays or Python scalars (a flax ``TrainState``'s ``step`` is an ``int``
+until the first update; ``None`` and static fields are no leaves) and all come back among
+the step's outputs with the same abstract value. A Python scalar counts as the weakly typed
+array ``jax.jit`` makes of it (``3`` as ``int32``, ``0.5`` as ``float32``), so the state of
+the first call and the state a step returns are donated alike.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 
 from jaxmem.compiling.signature import normalise_argnums
 from jaxmem.tracing.program import Program
 
+_SCALARS = (bool, int, float, complex)
 
-def donated_argnums(donate_argnums: int | Sequence[int] | str | None,
-                    dyn_args: tuple[Any, ...], program: Program) -> tuple[int, ...]:
+
+class Donation(NamedTuple):
+    """The donated positional (dynamic) arguments, and why each other one is not."""
+
+    argnums: tuple[int, ...]
+    notes: tuple[str, ...] = ()
+
+
+def abstract(x: Any) -> tuple[tuple[int, ...], str]:
+    """The shape and dtype ``jax.jit`` traces a leaf as (a Python scalar: its weakly typed
+    canonical dtype)."""
+    if isinstance(x, _SCALARS):
+        return (), str(jax.dtypes.result_type(x))
+    if isinstance(x, np.ndarray | np.generic):  # float64 is traced as float32 without x64
+        return x.shape, str(jax.dtypes.canonicalize_dtype(x.dtype))
+    return tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", ""))
+
+
+def _donatable(x: Any) -> bool:
+    """Whether ``jax.jit`` can donate the buffer of leaf ``x``: an array (or its abstract
+    stand-in placed on a compile-only target), a NumPy array, or a Python scalar."""
+    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic, *_SCALARS))
+
+
+def decide(donate_argnums: int | Sequence[int] | str | None, dyn_args: tuple[Any, ...],
+           program: Program) -> Donation:
     """Positional (dynamic) argument indices to donate.
 
-    ``donate_argnums="auto"``: each argument, in order, whose leaves are all arrays (or
-    their abstract stand-ins placed on a compile-only target) and all reappear among the
-    outputs of ``program`` with the same shape and dtype, counting each output once (the
-    train state: XLA then updates it in place). An argument with any other leaf (a Python
-    scalar, such as a train state's step count) is not donated. Otherwise the given
-    positions, normalised (``None``: none).
+    ``donate_argnums="auto"``: each argument, in order, whose leaves can be donated
+    (:func:`_donatable`) and all reappear among the outputs of ``program`` with the same
+    shape and dtype, counting each output once (the train state: XLA then updates it in
+    place); each other argument gets a note that says why it is not donated. Otherwise the
+    given positions, normalised (``None``: none).
     """
     if donate_argnums != "auto":
-        return normalise_argnums(donate_argnums, len(dyn_args))
+        return Donation(normalise_argnums(donate_argnums, len(dyn_args)))
     out_avals: dict[Any, int] = {}
     for v in program.outputs:
-        k = (program.values[v].shape, program.values[v].dtype)
+        k = (tuple(program.values[v].shape), str(program.values[v].dtype))
         out_avals[k] = out_avals.get(k, 0) + 1
-    chosen = []
+    chosen, notes = [], []
     for i, a in enumerate(dyn_args):
         leaves = jax.tree_util.tree_leaves(a)
         need: dict[Any, int] = {}
         for x in leaves:
-            k = (tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", "")))
-            need[k] = need.get(k, 0) + 1
-        # arrays, or their abstract stand-ins placed on a (compile-only) target
-        arrays = [x for x in leaves if isinstance(x, jax.Array | jax.ShapeDtypeStruct)]
-        if arrays and len(arrays) == len(leaves) and all(
-                out_avals.get(k, 0) >= c for k, c in need.items()):
-            chosen.append(i)
-            for k, c in need.items():
-                out_avals[k] -= c
-    return tuple(chosen)
+            need[abstract(x)] = need.get(abstract(x), 0) + 1
+        why = _why_not(leaves, need, out_avals)
+        if why:
+            notes.append(f"argument {i} not donated: {why}")
+            continue
+        chosen.append(i)
+        for k, c in need.items():
+            out_avals[k] -= c
+    return Donation(tuple(chosen), tuple(notes))
+
+
+def _why_not(leaves: list[Any], need: dict[Any, int], out_avals: dict[Any, int]) -> str:
+    """Why an argument with ``leaves`` is not donated ("" where it is)."""
+    if not leaves:
+        return "it holds no array"
+    odd = [x for x in leaves if not _donatable(x)]
+    if odd:
+        return f"it holds a {type(odd[0]).__name__}, which jax.jit cannot donate"
+    missing = sum(c - min(c, out_avals.get(k, 0)) for k, c in need.items())
+    if missing:
+        return (f"{missing} of its {len(leaves)} leaves do not come back among the "
+                "step's outputs (an input, not a state the step updates)")
+    return ""
+
+
+def donated_argnums(donate_argnums: int | Sequence[int] | str | None,
+                    dyn_args: tuple[Any, ...], program: Program) -> tuple[int, ...]:
+    """:func:`decide`'s argument indices alone."""
+    return decide(donate_argnums, dyn_args, program).argnums

@@ -120,12 +120,18 @@ def normalise_argnums(argnums: int | Sequence[int] | None, n: int) -> tuple[int,
 
 
 def leaf_key(x: Any) -> Any:
-    """A traced leaf's part of the cache key (a Python scalar: its type alone)."""
-    sharding = getattr(x, "sharding", None)
-    weak = getattr(x, "weak_type", False)
+    """A traced leaf's part of the cache key: shape, dtype, weak type and sharding, as
+    ``jax.jit`` traces it. A Python scalar is keyed as the weakly typed array ``jax.jit``
+    makes of it (``3``: ``int32``, weak), and a rank-0 leaf's placement is left out (a
+    scalar's sizes and plan do not depend on it; an executable that rejects a placement
+    is compiled again for it, :func:`jaxmem.compiling.entry.placed`): a flax
+    ``TrainState``'s ``step``, an ``int`` on the first call and the array the step returns
+    on the next, is one signature, as for ``jax.jit``."""
     if isinstance(x, bool | int | float | complex):
-        return (type(x).__name__,)
-    return (tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x))), weak,
+        return ((), str(jax.dtypes.result_type(x)), not isinstance(x, bool), None)
+    shape = tuple(getattr(x, "shape", ()))
+    sharding = getattr(x, "sharding", None) if shape else None
+    return (shape, str(getattr(x, "dtype", type(x))), getattr(x, "weak_type", False),
             None if sharding is None else repr(sharding))
 
 
