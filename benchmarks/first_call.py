@@ -11,8 +11,19 @@ in place, ``step.plan`` waiting for it). Wall seconds and CPU seconds (user + sy
 process, every thread summed) are both recorded: on a shared machine the wall time of one
 run swings with the load, its CPU time much less.
 
+``budget``: an empty plan cache directory and ``budget=--budget`` (default 0.5: the budget
+search's compiles; a budget no plan meets raises ``BudgetError``, recorded as ``error``).
+Each process also records its peak host memory (``ru_maxrss``, the high-water mark of
+that process alone, and the same before the step was decorated: the model built), the
+number of XLA compiles (``jax.monitoring``'s ``/jax/core/compile/backend_compile_duration``
+events, every compile JAX or jaxmem asks for, with their seconds) and of
+``jaxmem.xla.measure.compile`` calls (jaxmem's own: the candidates, the budget search, the
+winner compiled in full).
+
 Run:  python -m benchmarks.first_call [--model transformer] [--size bench] [--repeat 1]
-Writes benchmarks/results/first_call.json and .md.
+      [--modes plain,cold,warm,budget,background]
+Writes benchmarks/results/first_call.json and .md (``first_call-<model>-<size>.*`` for
+another model or size).
 """
 
 from __future__ import annotations
@@ -32,10 +43,26 @@ RESULTS = ROOT / "benchmarks" / "results"
 _CHILD = r"""
 import json, resource, sys, time
 import jax
+import jax.monitoring
 from benchmarks import zoo
 mode, model, size = sys.argv[1:4]
+xla = {"n": 0, "s": 0.0}
+def on_event(event, secs, **_):
+    if event == "/jax/core/compile/backend_compile_duration":  # every XLA compile
+        xla["n"] += 1
+        xla["s"] += secs
+jax.monitoring.register_event_duration_secs_listener(on_event)
+from jaxmem.xla import measure
+calls = {"n": 0}
+_compile = measure.compile
+def counted(*a, **k):  # the compiles jaxmem asks for (candidates, budget search, winner)
+    calls["n"] += 1
+    return _compile(*a, **k)
+measure.compile = counted
 w = zoo.make(model, size=size)
 jax.block_until_ready((w.state, w.batch))
+rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+n0, s0 = xla["n"], xla["s"]
 def cpu():
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
@@ -44,25 +71,39 @@ if mode == "plain":
     step = jax.jit(w.step, donate_argnums=0)
 else:
     import jaxmem
-    step = jaxmem.optimize(w.step, verify="background" if mode == "background" else True)
-out = step(w.state, w.batch)
-jax.block_until_ready(out)
+    kw = {"budget": float(sys.argv[4])} if mode == "budget" else {}
+    step = jaxmem.optimize(w.step, verify="background" if mode == "background" else True,
+                           **kw)
+err = None
+try:  # a budget below what any plan reaches raises BudgetError: its compiles still count
+    jax.block_until_ready(step(w.state, w.batch))
+except Exception as e:
+    err = f"{type(e).__name__}: {e}"[:300]
 t1, c1 = time.perf_counter(), cpu()
 rec = {"seconds": t1 - t0, "cpu_seconds": c1 - c0}
-if mode != "plain":  # until the verified plan is in place (background: step.plan waits)
+if err:
+    rec.update(error=err, verified_seconds=t1 - t0)
+elif mode != "plain":  # until the verified plan is in place (background: step.plan waits)
     plan = step.plan(w.state, w.batch)
     rec.update(verified_seconds=time.perf_counter() - t0, strategy=plan.strategy,
                peak=plan.compiled.peak if plan.compiled else None)
+# ru_maxrss: the process's high-water mark, KiB on Linux (the model built: rss_before)
+rec.update(max_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+           rss_before_mib=rss0 / 1024, xla_compiles=xla["n"] - n0,
+           xla_compile_seconds=xla["s"] - s0, jaxmem_compiles=calls["n"])
 print(json.dumps(rec))
 """
 
 
-def _run(mode: str, model: str, size: str, cache_dir: str) -> dict[str, float]:
+def _run(mode: str, model: str, size: str, cache_dir: str,
+         budget: float = 0.5) -> dict[str, float]:
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
                JAXMEM_PLAN_CACHE_DIR=cache_dir, PYTHONPATH=str(ROOT))
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    r = subprocess.run([sys.executable, "-c", _CHILD, mode, model, size], cwd=ROOT, env=env,
-                       capture_output=True, text=True, check=True)
+    r = subprocess.run([sys.executable, "-c", _CHILD, mode, model, size, str(budget)],
+                       cwd=ROOT, env=env, capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"{mode}: {r.stderr[-2000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
@@ -71,48 +112,103 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", default="transformer")
     ap.add_argument("--size", default="bench")
     ap.add_argument("--repeat", type=int, default=1, help="runs of each; the median is kept")
+    ap.add_argument("--budget", type=float, default=0.5, help="the budget mode's budget")
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help=f"which of {','.join(MODES)} (warm needs cold)")
     args = ap.parse_args(argv)
-    runs: dict[str, list[dict[str, float]]] = {"plain": [], "cold": [], "warm": [],
-                                               "background": []}
+    modes = [m for m in MODES if m in args.modes.split(",")]
+    runs: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     load = os.getloadavg()  # the other work on the machine: wall and CPU time swing with it
     for _ in range(args.repeat):
         with tempfile.TemporaryDirectory() as d:
-            runs["plain"].append(_run("plain", args.model, args.size, d))
-            runs["cold"].append(_run("jaxmem", args.model, args.size, d))
-            runs["warm"].append(_run("jaxmem", args.model, args.size, d))
-        with tempfile.TemporaryDirectory() as d:
-            runs["background"].append(_run("background", args.model, args.size, d))
-    med = {k: statistics.median(r["seconds"] for r in v) for k, v in runs.items()}
-    cpu = {k: statistics.median(r["cpu_seconds"] for r in v) for k, v in runs.items()}
-    result = {"model": args.model, "size": args.size, "repeat": args.repeat, "seconds": med,
-              "cpu_seconds": cpu, "cold_over_plain": med["cold"] / med["plain"],
-              "warm_over_plain": med["warm"] / med["plain"],
-              "cold_cpu_over_plain": cpu["cold"] / cpu["plain"],
-              "warm_cpu_over_plain": cpu["warm"] / cpu["plain"],
-              "background_over_plain": med["background"] / med["plain"],
-              "background_cpu_over_plain": cpu["background"] / cpu["plain"],
-              "verified_seconds": {k: statistics.median(r["verified_seconds"] for r in v)
-                                   for k, v in runs.items() if k != "plain"},
-              "runs": runs,
-              "load_average": load, "cpu_count": os.cpu_count()}
+            for m in ("plain", "cold", "warm"):
+                if m in runs:
+                    runs[m].append(_run("jaxmem" if m != "plain" else m, args.model,
+                                        args.size, d))
+        for m in ("budget", "background"):
+            if m in runs:
+                with tempfile.TemporaryDirectory() as d:
+                    runs[m].append(_run(m, args.model, args.size, d, args.budget))
+    result = _summary(args, runs, load)
+    suffix = "" if args.size == "bench" and args.model == "transformer" else \
+        f"-{args.model}-{args.size}"
+    if modes != list(MODES):  # a subset: a file of its own
+        suffix = f"-{args.model}-{args.size}-{'-'.join(modes)}-{args.budget:g}"
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "first_call.json").write_text(json.dumps(result, indent=2) + "\n")
-    rows = [("`jax.jit`", "plain"), ("`jaxmem.optimize`, cold plan cache", "cold"),
-            ("`jaxmem.optimize`, warm plan cache", "warm"),
-            ("`jaxmem.optimize(verify=\"background\")`, cold plan cache", "background")]
-    ver = result["verified_seconds"]
-    md = ("| first call | seconds | / plain jit | CPU seconds | / plain jit | verified plan "
-          "in place, s |\n|---|---:|---:|---:|---:|---:|\n" + "".join(
-              f"| {name} | {med[k]:.2f} | {med[k] / med['plain']:.2f} | {cpu[k]:.2f} | "
-              f"{cpu[k] / cpu['plain']:.2f} | {f'{ver[k]:.2f}' if k in ver else ''} |\n"
-              for name, k in rows))
-    (RESULTS / "first_call.md").write_text(
+    (RESULTS / f"first_call{suffix}.json").write_text(json.dumps(result, indent=2) + "\n")
+    md = _markdown(result)
+    (RESULTS / f"first_call{suffix}.md").write_text(
         f"{args.model} ({args.size}), median of {args.repeat} run(s), each in a fresh "
         f"process: `python -m benchmarks.first_call --model {args.model} --size {args.size} "
         f"--repeat {args.repeat}`; {os.cpu_count()} CPUs, load average "
-        f"{load[0]:.1f} at the start\n\n" + md)
+        f"{load[0]:.1f} at the start; jax {result['jax']}, commit "
+        f"{str(result['git_commit'])[:10]}, {result['date']}\n\n" + md)
     print(md)
     return result
+
+
+MODES = ("plain", "cold", "warm", "budget", "background")
+_NAMES = {"plain": "`jax.jit`", "cold": "`jaxmem.optimize`, cold plan cache",
+          "warm": "`jaxmem.optimize`, warm plan cache",
+          "budget": "`jaxmem.optimize(budget=0.5)`, cold plan cache",
+          "background": "`jaxmem.optimize(verify=\"background\")`, cold plan cache"}
+_KEYS = ("seconds", "cpu_seconds", "max_rss_mib", "rss_before_mib", "xla_compiles",
+         "xla_compile_seconds", "jaxmem_compiles")
+
+
+def _summary(args: argparse.Namespace, runs: dict[str, list[dict]], load: tuple) -> dict:
+    """Medians per mode and the ratios to plain jax.jit."""
+    med = {k: {m: statistics.median(r[k] for r in v) for m, v in runs.items()}
+           for k in _KEYS}
+    result = {"model": args.model, "size": args.size, "repeat": args.repeat,
+              "budget": args.budget, **med}
+    plain = "plain" in runs
+    for m in runs:
+        if plain and m != "plain":
+            result[f"{m}_over_plain"] = med["seconds"][m] / med["seconds"]["plain"]
+            result[f"{m}_cpu_over_plain"] = med["cpu_seconds"][m] / med["cpu_seconds"]["plain"]
+            result[f"{m}_rss_over_plain"] = med["max_rss_mib"][m] / med["max_rss_mib"]["plain"]
+    result["verified_seconds"] = {m: statistics.median(r["verified_seconds"] for r in v)
+                                  for m, v in runs.items() if m != "plain"}
+    result.update(runs=runs, load_average=load, cpu_count=os.cpu_count(), **_meta(argv=None))
+    return result
+
+
+def _meta(argv: list[str] | None) -> dict:
+    import datetime
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    jax_version = subprocess.run([sys.executable, "-c", "import jax; print(jax.__version__)"],
+                                 capture_output=True, text=True).stdout.strip()
+    return {"command": "python -m benchmarks.first_call " + " ".join(sys.argv[1:]),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "git_commit": commit, "jax": jax_version}
+
+
+def _markdown(result: dict) -> str:
+    med = {k: result[k] for k in _KEYS}
+    ver = result["verified_seconds"]
+    plain = med["seconds"].get("plain")
+    rows = []
+    errors = {m: v[0]["error"] for m, v in result["runs"].items() if v[0].get("error")}
+    for m in med["seconds"]:
+        name = _NAMES[m].replace("0.5", f"{result['budget']:g}") + (" (raised)" if m in errors
+                                                                      else "")
+        ratio = f"{med['seconds'][m] / plain:.2f}" if plain else ""
+        rows.append(
+            f"| {name} | {med['seconds'][m]:.2f} | {ratio} | {med['cpu_seconds'][m]:.2f} "
+            f"| {f'{ver[m]:.2f}' if m in ver else ''} | {med['max_rss_mib'][m]:.0f} | "
+            f"{med['max_rss_mib'][m] - med['rss_before_mib'][m]:.0f} | "
+            f"{med['xla_compiles'][m]:.0f} | {med['xla_compile_seconds'][m]:.2f} | "
+            f"{med['jaxmem_compiles'][m]:.0f} |\n")
+    return ("| first call | seconds | / plain jit | CPU seconds | verified plan in place, s | "
+            "peak RSS MiB | RSS growth in the call MiB | XLA compiles | XLA compile s | "
+            "jaxmem compiles |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+            + "".join(rows) + "".join(f"\n{_NAMES[m]}: {e}\n" for m, e in errors.items()))
 
 
 if __name__ == "__main__":

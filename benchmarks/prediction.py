@@ -4,9 +4,25 @@
 initialised), predicts its train step's peak with ``jaxmem.analyze(step, state, batch,
 donate_argnums=0)`` for the arguments' target, compiles the same step with ``jax.jit(step,
 donate_argnums=0)`` for that target and reads ``argument + output + temp - alias`` of
-``memory_analysis()``. With ``--plans`` it does the same for the step ``jaxmem.optimize``
+``memory_analysis()``. With ``--chosen`` it does the same for the step ``jaxmem.optimize``
 rewrites (its jaxpr, ``jaxmem.optimize(step).trace(...)``, analysed with the state donated,
 against the compiled figures of the plan it verified).
+
+With ``--plans`` it lists, per model and target, every candidate ``jaxmem.optimize``'s
+``verify`` compiles (:func:`jaxmem.compiling.choose.verified`, read by wrapping its
+``compile_candidates``; the choice itself is unchanged), each with two predictions:
+
+- ``rewritten``: ``Analysis.peak_bytes`` of the candidate's own jaxpr (the plan's rewrite,
+  or the step with its loss under ``jax.checkpoint``), state donated, for the target;
+- ``model`` (plans only): the cost model's peak of the plan's drop/offload sets,
+  ``CostModel(analysis).evaluate(plan.recompute, plan.offload).peak``, what the budget
+  search ranks with (blind to the plan's region grouping, ``region_depth`` / ``keep``);
+
+its compiled peak (the figures ``verify`` chose on), the errors, and per prediction whether
+it ranks the candidates as the compiler does: the fraction of pairs (compiled peaks more
+than 1% apart) in the same order, and whether the predicted best compiles within 1% of
+the compiled best. Writes ``plans-<target>.json`` (``plans-<target>-<size>.json`` for
+another size than bench) and a ``.md`` summary under ``--out``.
 
 Prints a table (model, size, target, step, predicted, compiled, error %) and writes
 ``prediction.json`` under ``--out`` after every row (partial results survive an interrupt).
@@ -14,13 +30,14 @@ Prints a table (model, size, target, step, predicted, compiled, error %) and wri
 Example::
 
     python -m benchmarks.prediction --sizes test,bench --targets cpu,h100
-    python -m benchmarks.prediction --sizes test --targets cpu,h100 --plans
+    python -m benchmarks.prediction --sizes test --targets cpu,h100 --chosen
+    python -m benchmarks.prediction --sizes bench --targets cpu --models mlp,resnet --plans
     python -m benchmarks.prediction --docs docs/targets.md   # the table there, from the JSON
 
 ``--docs`` compiles nothing: it rewrites the table between ``<!-- prediction-table -->``
 markers in the given file from ``prediction.json`` (plain steps), ``before.json`` (the model
 before the per-target rules, same compiled peaks) and ``plans_test/prediction.json`` (the
-plans ``jaxmem.optimize`` verified, ``--plans``) under ``--out``.
+plans ``jaxmem.optimize`` verified, ``--chosen``) under ``--out``.
 """
 
 from __future__ import annotations
@@ -172,8 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default="test,bench")
     p.add_argument("--targets", default="cpu,h100")
     p.add_argument("--models", default=",".join(zoo.names()))
-    p.add_argument("--plans", action="store_true",
+    p.add_argument("--chosen", action="store_true",
                    help="also the step jaxmem.optimize rewrites (compiles its candidates)")
+    p.add_argument("--plans", action="store_true",
+                   help="every candidate jaxmem.optimize compiles: predicted and compiled "
+                        "peaks, ranking agreement (benchmarks/prediction_plans)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--docs", type=Path,
                    help="rewrite the prediction table in this markdown file from the JSON "
@@ -183,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
         render_docs(a.docs, a.out)
         return 0
     a.out.mkdir(parents=True, exist_ok=True)
+    if a.plans:
+        from benchmarks import prediction_plans
+        return prediction_plans.run(a, argv)
     rows: list[dict[str, Any]] = []
     meta = {"jax": jax.__version__, "command": "python -m benchmarks.prediction "
             + " ".join(argv if argv is not None else __import__("sys").argv[1:])}
@@ -191,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             w = zoo.make(name, size=size, abstract=True)
             for target in a.targets.split(","):
                 for kind, fn in (("plain", plain_row), ("jaxmem", plan_row)):
-                    if kind == "jaxmem" and not a.plans:
+                    if kind == "jaxmem" and not a.chosen:
                         continue
                     try:
                         r = fn(w, target)

@@ -1,0 +1,234 @@
+"""``python -m benchmarks.prediction --plans``: every candidate ``verify`` compiles, predicted.
+
+For each zoo model and target, ``jaxmem.optimize(step, donate_argnums=(0,)).plan(...)`` runs
+as it does for users (empty plan cache); :func:`jaxmem.compiling.choose.compile_candidates`
+is wrapped for the run, so the plain step and the candidates it compiles, and the figures
+``verify`` chose on, are read as they were made (what is chosen does not change). Each
+candidate gets the predictions described in :mod:`benchmarks.prediction` and a row; each
+model and target a ranking summary. Compiles one at a time (``JAXMEM_COMPILE_THREADS=1``
+unless set) so a shared machine's compile times stay comparable.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from itertools import combinations
+from pathlib import Path
+from typing import Any
+
+import jax
+from jaxmem.program import from_jaxpr
+
+import jaxmem
+from benchmarks import zoo
+from jaxmem.analyzing.analysis import from_program
+from jaxmem.analyzing.costmodel import PROFILES, CostModel
+from jaxmem.compiling import choose, plan_cache
+from jaxmem.compiling.steps import rewrite_key
+
+TIE = 0.01  # compiled peaks closer than this are a tie (jaxmem.xla.measure.PEAK_TIE is 0.5%)
+
+
+def captured(w: zoo.Workload, target: str) -> dict[str, Any]:
+    """``verify``'s compiles of ``w`` on ``target``: step, candidates, compiled figures."""
+    args = w.args if target == "cpu" else jaxmem.targets.place(w.args, target)
+    seen: list[tuple[Any, Any, Any, Any]] = []
+    original = choose.compile_candidates
+
+    def spy(step: Any, cands: Any) -> Any:
+        base, compiled = original(step, cands)
+        seen.append((step, cands, base, compiled))
+        return base, compiled
+
+    plan_cache.clear_memory()
+    choose.compile_candidates = spy
+    try:
+        t0 = time.perf_counter()
+        chosen = jaxmem.optimize(w.step, donate_argnums=(0,)).plan(*args)
+        seconds = time.perf_counter() - t0
+    finally:
+        choose.compile_candidates = original
+    if not seen:
+        raise RuntimeError(f"verify compiled no candidates (plan {chosen.strategy!r})")
+    step, _, base, compiled = seen[-1]
+    return {"step": step, "base": base, "compiled": compiled, "chosen": chosen,
+            "seconds": seconds}
+
+
+def predictions(cap: dict[str, Any], target: str) -> tuple[dict[str, Any], list[dict]]:
+    """The plain step's row and one row per candidate: predictions and compiled peak."""
+    step = cap["step"]
+    t = jaxmem.targets.get(target)
+    analysis = from_program(step.program, donated=step.donate_flat, platform=t.platform)
+    model = CostModel(analysis, t.profile if t.profile in PROFILES else None)
+    plain = _row("plain", "plain", analysis.peak_bytes, None, cap["base"].figures)
+    rows: list[dict[str, Any]] = []
+    chosen = _identity(cap["chosen"])
+    for c in cap["compiled"]:
+        plan = c.candidate.plan
+        kind = "builtin" if plan.loss_policy else "plan"
+        name = plan.strategy
+        if any(r["candidate"] == name for r in rows):  # plan_auto's strict variant
+            name += " (strict: 5% per layer)" if name == "auto" else f" [{len(rows)}]"
+        t0 = time.perf_counter()
+        try:
+            prog = from_jaxpr(c.candidate.jitted.trace(*step.flat).jaxpr)
+            rewritten = from_program(prog, donated=step.donate_flat,
+                                     platform=t.platform).peak_bytes
+        except Exception as e:  # noqa: BLE001 - recorded; the others go on
+            rewritten = None
+            print(f"  {plan.strategy}: not analysed: {type(e).__name__}: {e}"[:200])
+        ev = (model.evaluate(plan.recompute, plan.offload).peak if kind == "plan" else None)
+        row = _row(name, kind, rewritten, ev, c.figures)
+        row.update(analyse_s=round(time.perf_counter() - t0, 2),
+                   n_recompute=len(plan.recompute), region_depth=plan.region_depth,
+                   chosen=_identity(plan) == chosen)
+        rows.append(row)
+    return plain, rows
+
+
+def _identity(plan: Any) -> Any:
+    """What makes two candidates one program (the chosen plan is renamed and noted)."""
+    return (plan.loss_policy, plan.loss_blocks) if plan.loss_policy else rewrite_key(plan)
+
+
+def _row(name: str, kind: str, rewritten: int | None, model: int | None,
+         fig: Any) -> dict[str, Any]:
+    def err(p: int | None) -> float | None:
+        return None if p is None or not fig.peak else round(100.0 * (p / fig.peak - 1.0), 2)
+    return {"candidate": name, "kind": kind, "compiled": int(fig.peak), "flops": fig.flops,
+            "rewritten": rewritten, "rewritten_error_pct": err(rewritten),
+            "model": model, "model_error_pct": err(model)}
+
+
+def ranking(rows: list[dict[str, Any]], key: str) -> dict[str, Any] | None:
+    """How ``key``'s predictions rank ``rows`` against their compiled peaks: the pairs
+    (compiled more than :data:`TIE` apart) in the same order (a predicted tie counts half),
+    and the compiled peak of the predicted best against the best compiled peak."""
+    rs = [r for r in rows if r.get(key) is not None]
+    if len(rs) < 2:
+        return None
+    pairs, agree = 0, 0.0
+    for a, b in combinations(rs, 2):
+        if abs(a["compiled"] - b["compiled"]) <= TIE * max(a["compiled"], b["compiled"]):
+            continue
+        pairs += 1
+        d_pred, d_comp = a[key] - b[key], a["compiled"] - b["compiled"]
+        agree += 0.5 if d_pred == 0 else float((d_pred > 0) == (d_comp > 0))
+    best = min(r["compiled"] for r in rs)
+    pick = min(rs, key=lambda r: r[key])
+    return {"n": len(rs), "pairs": pairs,
+            "pairwise_agreement": round(agree / pairs, 3) if pairs else None,
+            "predicted_best": pick["candidate"], "predicted_best_compiled": pick["compiled"],
+            "compiled_best": min(rs, key=lambda r: r["compiled"])["candidate"],
+            "compiled_best_peak": best,
+            "predicted_best_over_best_pct": round(100.0 * (pick["compiled"] / best - 1), 2),
+            "predicted_best_within_1pct": pick["compiled"] <= 1.01 * best}
+
+
+def entry(name: str, size: str, target: str) -> dict[str, Any]:
+    """One model on one target: its plain row, candidate rows and ranking summaries."""
+    w = zoo.make(name, size=size, abstract=True)
+    cap = captured(w, target)
+    plain, rows = predictions(cap, target)
+    plans = [r for r in rows if r["kind"] == "plan"]
+    overall = min(r["compiled"] for r in rows)
+    rank = {"plans_rewritten": ranking(plans, "rewritten"),
+            "plans_model": ranking(plans, "model"),
+            "all_rewritten": ranking(rows, "rewritten")}
+    for r in rank.values():  # the predicted best against every candidate's best
+        if r:
+            r["predicted_best_over_all_pct"] = round(
+                100.0 * (r["predicted_best_compiled"] / overall - 1), 2)
+    return {"model": name, "size": size, "target": target, "plain": plain,
+            "candidates": rows, "ranking": rank, "chosen": cap["chosen"].strategy,
+            "optimize_plan_s": round(cap["seconds"], 1)}
+
+
+def _meta(argv: list[str] | None) -> dict[str, Any]:
+    root = Path(__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                                text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    return {"command": "python -m benchmarks.prediction "
+            + " ".join(argv if argv is not None else sys.argv[1:]),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "git_commit": commit, "jax": jax.__version__, "jaxlib": jax.lib.__version__,
+            "ranking_tie": TIE}
+
+
+def run(a: Any, argv: list[str] | None) -> int:
+    """Every (size, model, target) of the parsed arguments ``a``; JSON after each."""
+    os.environ.setdefault("JAXMEM_COMPILE_THREADS", "1")
+    meta = _meta(argv)
+    done: dict[Path, list[dict[str, Any]]] = {}
+    for size in a.sizes.split(","):
+        for target in a.targets.split(","):
+            path = a.out / (f"plans-{target}.json" if size == "bench"
+                            else f"plans-{target}-{size}.json")
+            for name in a.models.split(","):
+                try:
+                    e = entry(name, size, target)
+                except Exception as ex:  # noqa: BLE001 - recorded; the run goes on
+                    e = {"model": name, "size": size, "target": target,
+                         "error": f"{type(ex).__name__}: {ex}".splitlines()[0][:300]}
+                done.setdefault(path, []).append(e)
+                print(summary_line(e), flush=True)
+                path.write_text(json.dumps({"meta": meta, "models": done[path]}, indent=1))
+                path.with_suffix(".md").write_text(markdown(meta, done[path]))
+    return 0
+
+
+def summary_line(e: dict[str, Any]) -> str:
+    if e.get("error"):
+        return f"{e['model']:12s} {e['size']:5s} {e['target']:5s} error: {e['error']}"
+    r = e["ranking"]
+    bits = [f"{k}: agree {v['pairwise_agreement']}, best+{v['predicted_best_over_best_pct']}%"
+            for k, v in r.items() if v]
+    return (f"{e['model']:12s} {e['size']:5s} {e['target']:5s} "
+            f"{len(e['candidates'])} candidates; " + "; ".join(bits))
+
+
+def _mib(x: int | None) -> str:
+    return "" if x is None else f"{x / 2**20:.2f}"
+
+
+def _pct(x: float | None) -> str:
+    return "" if x is None else f"{x:+.1f}%"
+
+
+def markdown(meta: dict[str, Any], models: list[dict[str, Any]]) -> str:
+    """The candidates' table and the ranking summaries of ``models``."""
+    out = [f"`{meta['command']}` ({meta['date']}, commit {str(meta['git_commit'])[:10]}, "
+           f"jax {meta['jax']})", "",
+           "| model | target | candidate | kind | compiled MiB | rewritten MiB | error | "
+           "model MiB | error |", "|---|---|---|---|---:|---:|---:|---:|---:|"]
+    for e in models:
+        if e.get("error"):
+            out.append(f"| {e['model']} | {e['target']} | error: {e['error'][:80]} |"
+                       " | | | | | |")
+            continue
+        for r in [e["plain"]] + e["candidates"]:
+            name = r["candidate"] + (" (chosen)" if r.get("chosen") else "")
+            out.append(f"| {e['model']} | {e['target']} | {name} | {r['kind']} | "
+                       f"{_mib(r['compiled'])} | {_mib(r['rewritten'])} | "
+                       f"{_pct(r['rewritten_error_pct'])} | {_mib(r['model'])} | "
+                       f"{_pct(r['model_error_pct'])} |")
+    out += ["", "| model | target | prediction | n | pairs | pairwise agreement | "
+            "predicted best | its compiled over the set's best | over every candidate's "
+            "best |", "|---|---|---|---:|---:|---:|---|---:|---:|"]
+    for e in models:
+        for k, v in (e.get("ranking") or {}).items():
+            if v:
+                out.append(f"| {e['model']} | {e['target']} | {k} | {v['n']} | {v['pairs']} "
+                           f"| {v['pairwise_agreement']} | {v['predicted_best']} | "
+                           f"{v['predicted_best_over_best_pct']:+.2f}% | "
+                           f"{v['predicted_best_over_all_pct']:+.2f}% |")
+    return "\n".join(out) + "\n"

@@ -1,0 +1,154 @@
+"""Why a candidate's predicted peak is off: jaxmem's live set at its peak beside XLA's.
+
+``python -m benchmarks.prediction_why MODEL CANDIDATE [--size bench] [--target cpu]``
+lists ``MODEL``'s candidates as ``jaxmem.optimize``'s ``verify`` would compile them (read
+where they are handed to the compiler; none of the others is compiled), compiles the one
+whose name starts with ``CANDIDATE`` with XLA's dumps on (``--xla_dump_to``, set before JAX
+starts), and prints
+
+- jaxmem's prediction of that candidate's jaxpr: the values live at its predicted peak, by
+  primitive and phase (the liveness model of :mod:`jaxmem.analyzing.liveness` without its
+  per-unit transients), largest first;
+- XLA's: the buffer-assignment dump's figures and its largest allocations (the
+  ``*buffer-assignment.txt`` and ``*memory-usage-report.txt`` files are left in ``--dump``
+  for reading).
+
+Read-only: nothing in jaxmem changes; a diagnosis tool for docs/first_call.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+
+def _jaxmem_live(program: Any, donated: tuple[int, ...], platform: str, top: int) -> None:
+    import numpy as np
+
+    from jaxmem.analyzing.liveness import aliased_outputs, liveness, materialised
+    from jaxmem.analyzing.schedule import schedule
+
+    peak, _, _ = liveness(program, donated=donated, platform=platform)
+    mat = materialised(program, platform)
+    aliased = aliased_outputs(program, donated)
+    order = schedule(program, mat, aliased)
+    last = order.last_use(program)
+    steps = len(order.order)
+    delta = np.zeros(steps + 2, dtype=np.int64)
+    spans = []
+    for v in program.values:
+        if v.producer is None or not mat[v.id] or v.id in aliased:
+            continue
+        start = order.position[v.producer]
+        end = max(last.get(v.id, start), start)
+        delta[min(start, steps)] += v.nbytes
+        delta[end + 1] -= v.nbytes
+        spans.append((start, end, v))
+    live = np.cumsum(delta)[:max(steps, 1)]
+    at = int(live.argmax())
+    args = sum(program.values[i].nbytes for i in program.inputs)
+    print(f"jaxmem: predicted peak {peak / 2**20:.2f} MiB (arguments {args / 2**20:.2f}, "
+          f"intermediates at the peak {live[at] / 2**20:.2f}, at step {at}/{steps})")
+    groups: Counter[tuple[str, str]] = Counter()
+    count: Counter[tuple[str, str]] = Counter()
+    for start, end, v in spans:
+        if start <= at <= end:
+            n = program.nodes[v.producer]
+            groups[(n.primitive, n.phase)] += v.nbytes
+            count[(n.primitive, n.phase)] += 1
+    for (prim, phase), b in groups.most_common(top):
+        print(f"  {b / 2**20:8.2f} MiB  {count[(prim, phase)]:4d} x {prim:24s} {phase}")
+
+
+def _xla_report(files: list[Path], top: int) -> None:
+    for f in sorted(files):
+        if f.name.endswith("buffer-assignment.txt"):
+            text = f.read_text()
+            stats = text[text.find("BufferAssignment stats"):][:900]
+            print(f"XLA: {f.name}\n{stats}")
+            sizes = [(int(m.group(2)), m.group(1), m.group(3)) for m in re.finditer(
+                r"^allocation (\d+): size (\d+),(.*)$", text, flags=re.M)]
+            for size, idx, what in sorted(sizes, reverse=True)[:top]:
+                print(f"  allocation {idx}: {size / 2**20:8.2f} MiB {what[:110]}")
+        elif f.name.endswith("memory-usage-report.txt"):
+            print(f"XLA: {f.name}\n{f.read_text()[:3000]}")
+
+
+def _candidates(w: Any, target: str) -> tuple[Any, list[Any]]:
+    """The step and the candidates ``verify`` would compile for ``w`` on ``target``, read
+    where ``jaxmem.optimize`` hands them to the compiler, and nothing compiled."""
+    import jaxmem
+    from jaxmem.compiling import choose, plan_cache
+
+    class _Got(Exception):
+        pass
+
+    got: dict[str, Any] = {}
+
+    def spy(step: Any, cands: Any) -> Any:
+        got.update(step=step, cands=cands)
+        raise _Got
+
+    args = w.args if target == "cpu" else jaxmem.targets.place(w.args, target)
+    original, choose.compile_candidates = choose.compile_candidates, spy
+    plan_cache.clear_memory()
+    try:
+        jaxmem.optimize(w.step, donate_argnums=(0,)).plan(*args)
+    except _Got:
+        pass
+    finally:
+        choose.compile_candidates = original
+    if not got:
+        raise SystemExit("verify compiles no candidates for this step")
+    return got["step"], got["cands"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("candidate", help="the start of the candidate's name (as --plans lists)")
+    ap.add_argument("--size", default="bench")
+    ap.add_argument("--target", default="cpu")
+    ap.add_argument("--dump", type=Path, default=Path("/tmp/jaxmem-why"))
+    ap.add_argument("--top", type=int, default=12)
+    a = ap.parse_args(argv)
+    if "jax" in sys.modules:
+        raise SystemExit("run as python -m benchmarks.prediction_why (XLA's dump flags)")
+    a.dump.mkdir(parents=True, exist_ok=True)
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + f" --xla_dump_to={a.dump} --xla_dump_hlo_as_text").strip()
+    os.environ.setdefault("JAXMEM_COMPILE_THREADS", "1")
+    from jaxmem.program import from_jaxpr
+
+    import jaxmem
+    from benchmarks import zoo
+    from jaxmem.compiling.steps import read
+    from jaxmem.xla import measure
+
+    w = zoo.make(a.model, size=a.size, abstract=True)
+    step, cands = _candidates(w, a.target)
+    pick = [c for c in cands if c.plan.strategy.startswith(a.candidate)]
+    if not pick:
+        raise SystemExit(f"no candidate {a.candidate!r}; there are "
+                         f"{[c.plan.strategy for c in cands]}")
+    c = pick[0]
+    platform = jaxmem.targets.get(a.target).platform
+    program = from_jaxpr(c.jitted.trace(*step.flat).jaxpr)
+    before = set(a.dump.iterdir())
+    fig = read(measure.compile(c.lower()), c.jitted, step.flat)  # the only compile
+    print(f"{a.model} ({a.size}) on {a.target}: {c.plan.strategy}, compiled peak "
+          f"{fig.peak / 2**20:.2f} MiB (argument {fig.argument / 2**20:.2f}, "
+          f"output {fig.output / 2**20:.2f}, temp {fig.temp / 2**20:.2f}, "
+          f"alias {fig.alias / 2**20:.2f})")
+    _jaxmem_live(program, step.donate_flat, platform, a.top)
+    _xla_report([f for f in a.dump.iterdir() if f not in before], a.top)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
