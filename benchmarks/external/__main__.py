@@ -14,9 +14,22 @@ The figure is the compiled peak of :mod:`jaxmem.measure` (argument + output + te
 of XLA's ``memory_analysis()``, per device; the CPU barrier flag for every variant alike).
 ``--target h100`` compiles for an H100 without the device (:mod:`jaxmem.targets`).
 
+With ``--set corpus`` the rows are :mod:`benchmarks.external.corpus`: other people's train
+steps in their own idioms (flax ``TrainState``, haiku ``transform_with_state``, a
+``jax.shard_map`` step, ``eqx.nn.State``, Keras ``stateless_call``, penzai's trainer,
+jraph), written to ``OUT/corpus-<target>-<size>.json``; two more variants there:
+
+- ``block_dots``/``block_nothing``: the package's own per-block remat switch with that
+  policy (transformers' ``enable_gradient_checkpointing``, which saves nothing per block;
+  penzai's ``Checkpointed``); ``n/a`` where the package has none.
+
+On ``--target cpu`` the ``auto`` variant also runs both steps and compares
+``jaxmem.optimize``'s outputs with ``jax.jit``'s (``matches_jit``, ``max_rel_diff``).
+
 Usage::
 
     python -m benchmarks.external --target h100 --size bench --out benchmarks/results/external
+    python -m benchmarks.external --set corpus --target h100 --size test
     python -m benchmarks.external table benchmarks/results/external/h100-bench.json
 
 Per-model results land in ``OUT/<target>-<size>/<model>.json`` as they finish; the combined
@@ -38,6 +51,8 @@ from pathlib import Path
 from typing import Any
 
 VARIANTS = ("plain", "dots", "nothing", "auto", "budget50")
+CORPUS_VARIANTS = ("plain", "dots", "nothing", "block_dots", "block_nothing", "auto",
+                   "budget50")
 DESCRIPTIONS = {
     "plain": "jax.jit(step), state donated",
     "dots": "jax.checkpoint(loss, policy=dots_saveable), whole loss",
@@ -45,6 +60,36 @@ DESCRIPTIONS = {
     "auto": "jaxmem.optimize(step) (strategy auto)",
     "budget50": "jaxmem.optimize(step, budget=0.5)",
 }
+BLOCK_DESCRIPTIONS = {
+    "block_dots": "the package's per-block remat switch, dots_saveable (penzai Checkpointed)",
+    "block_nothing": "the package's per-block remat switch, nothing_saveable (transformers "
+                     "enable_gradient_checkpointing, penzai Checkpointed)",
+}
+
+
+def _compare(a: Any, b: Any) -> tuple[bool, float]:
+    """docs/testing.md's compiled check: per float leaf ``max|a-b| <= 2e-5 * max|b|``
+    (leaves whose jit value is all zero: ``<= 1e-6``), other leaves identical."""
+    import jax
+    import numpy as np
+
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    if jax.tree.structure(a) != jax.tree.structure(b) or len(la) != len(lb):
+        return False, float("inf")
+    ok, worst = True, 0.0
+    for x, y in zip(la, lb, strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return False, float("inf")
+        if not np.issubdtype(y.dtype, np.floating):
+            ok &= bool(np.array_equal(x, y))
+            continue
+        d = float(np.max(np.abs(x.astype(np.float64) - y))) if y.size else 0.0
+        scale = float(np.max(np.abs(y))) if y.size else 0.0
+        rel = d / scale if scale else d
+        worst = max(worst, rel)
+        ok &= d <= (2e-5 * scale if scale else 1e-6)
+    return ok, worst
 
 
 def _commit() -> str | None:
@@ -63,7 +108,7 @@ def _commit() -> str | None:
 
 
 def _measure_one(model: str, size: str, target: str, variants: list[str],
-                 path: Path) -> dict[str, Any]:
+                 path: Path, corpus: bool = False) -> dict[str, Any]:
     """Compile ``model`` under each variant; write the JSON record to ``path`` after each."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
@@ -73,7 +118,13 @@ def _measure_one(model: str, size: str, target: str, variants: list[str],
     from jaxmem import measure
 
     t0 = time.perf_counter()
-    w = models.make(model, size)
+    if corpus:
+        from benchmarks.external import corpus as corpus_mod
+
+        devices = None if target == "cpu" else jaxmem.targets.get(target).devices()
+        w = corpus_mod.make(model, size, devices)
+    else:
+        w = models.make(model, size)
     rec: dict[str, Any] = {"model": model, "library": w.library, "size": size,
                            "target": target, "description": w.description,
                            "build_s": round(time.perf_counter() - t0, 1), "variants": {}}
@@ -84,8 +135,9 @@ def _measure_one(model: str, size: str, target: str, variants: list[str],
                                if k not in variants}
     commit = _commit()
     args = (w.state, w.batch)
+    host_args = args
     if target != "cpu":
-        args = jaxmem.targets.place(args, target)
+        args = jaxmem.targets.place(args, target, sharding=getattr(w, "sharding", None))
     platform = jaxmem.targets.platform_of(args) or "cpu"
     policies = {"dots": jax.checkpoint_policies.dots_saveable,
                 "nothing": jax.checkpoint_policies.nothing_saveable}
@@ -93,12 +145,33 @@ def _measure_one(model: str, size: str, target: str, variants: list[str],
         r: dict[str, Any] = {}
         t0 = time.perf_counter()
         try:
+            if v.startswith("block_") and v[6:] not in getattr(w, "blocks", {}):
+                r["skipped"] = "no per-block remat switch with this policy in the package"
+                rec["variants"][v] = r
+                path.write_text(json.dumps(rec, indent=1))
+                continue
             if v in ("auto", "budget50"):
                 kw = {"budget": 0.5} if v == "budget50" else {}
                 opt = jaxmem.optimize(w.make_step(), donate_argnums=(0,), **kw)
                 plan = opt.plan(*args)
                 f = plan.compiled
                 r["strategy"] = str(getattr(plan, "strategy", ""))
+                if target == "cpu" and v == "auto":  # outputs against jax.jit's
+                    copy = lambda t: jax.tree.map(  # noqa: E731
+                        lambda x: x.copy() if hasattr(x, "copy") else x, t)
+                    ref = jax.jit(w.make_step(), donate_argnums=(0,))(copy(host_args[0]),
+                                                                     host_args[1])
+                    out = opt(copy(host_args[0]), host_args[1])
+                    r["matches_jit"], r["max_rel_diff"] = _compare(out, ref)
+            elif v.startswith("block_"):
+                state, step = w.blocks[v[6:]]()
+                bargs = (state, w.batch)
+                if target != "cpu":
+                    bargs = jaxmem.targets.place(bargs, target,
+                                                 sharding=getattr(w, "sharding", None))
+                jitted = jax.jit(step, donate_argnums=(0,))
+                compiled = measure.compile(jitted.lower(*bargs))
+                f = measure.compiled_figures(compiled, jitted, bargs, platform=platform)
             else:
                 wrap = (lambda fn: fn) if v == "plain" else (
                     lambda fn, p=policies[v]: jax.checkpoint(fn, policy=p))
@@ -132,11 +205,15 @@ def render(records: list[dict[str, Any]]) -> str:
     if not records:
         return "(no results)\n"
     target, size = records[0]["target"], records[0]["size"]
-    head = ("| model | library | plain MiB | dots_saveable | nothing_saveable | jaxmem auto "
-            "| jaxmem 50% budget | auto ≥ best policy |")
+    blocks = any(v in rec["variants"] for rec in records for v in BLOCK_DESCRIPTIONS)
+    checked = any("matches_jit" in rec["variants"].get("auto", {}) for rec in records)
+    head = ("| model | library | plain MiB | dots_saveable | nothing_saveable | "
+            + ("block dots | block nothing | " if blocks else "")
+            + "jaxmem auto | jaxmem 50% budget | auto ≥ best policy |"
+            + (" outputs = jit |" if checked else ""))
     lines = [f"Target `{target}`, size `{size}`. Compiled peak in MiB (change vs plain jit; "
              "negative = saved).", "",
-             head, "|" + "---|" * 8]
+             head, "|" + "---|" * (8 + 2 * blocks + checked)]
     savings = []
     for rec in records:
         vs = rec["variants"]
@@ -146,6 +223,8 @@ def render(records: list[dict[str, Any]]) -> str:
             r = vs.get(v)
             if r is None:
                 return "not run"
+            if "skipped" in r:
+                return "n/a"
             if r.get("error") == "BudgetError":
                 return f"BudgetError (min {_mib(r.get('minimum'))})"
             if r.get("error", "").startswith("subprocess"):
@@ -157,21 +236,35 @@ def render(records: list[dict[str, Any]]) -> str:
                 return f"{_mib(r['peak'])} ({'-' if s >= 0 else '+'}{abs(s):.1f}%)"
             return _mib(r["peak"])
 
-        best = [vs[v]["peak"] for v in ("dots", "nothing") if "peak" in vs.get(v, {})]
+        best = [vs[v]["peak"] for v in ("dots", "nothing", "block_dots", "block_nothing")
+                if "peak" in vs.get(v, {})]
         auto = vs.get("auto", {}).get("peak")
         ok = "–"
         if auto is not None and best and plain:
             ok = "yes" if auto <= min(best) * 1.005 else "no"
             savings.append(1 - auto / plain)
+        mid = f"{cell('block_dots')} | {cell('block_nothing')} | " if blocks else ""
+        same = ""
+        if checked:
+            a = vs.get("auto", {})
+            same = (" – |" if "matches_jit" not in a else
+                    f" {'yes' if a['matches_jit'] else 'NO'} ({a['max_rel_diff']:.1e}) |")
         lines.append(f"| {rec['model']} | {rec['library']} | {_mib(plain)} | {cell('dots')} "
-                     f"| {cell('nothing')} | {cell('auto')} | {cell('budget50')} | {ok} |")
+                     f"| {cell('nothing')} | {mid}{cell('auto')} | {cell('budget50')} | {ok} |"
+                     + same)
     if savings:
         lines += ["", f"Mean saving of jaxmem auto: {100 * sum(savings) / len(savings):.1f}% "
                   f"over {len(savings)} models."]
+    desc = dict(DESCRIPTIONS, **(BLOCK_DESCRIPTIONS if blocks else {}))
+    best_of = ("lowest of the built-in policies measured (whole loss, and per block where "
+               "the package has a switch; n/a: it has none)" if blocks else
+               "lower of the two whole-loss policies")
     lines += ["", "auto ≥ best policy: jaxmem auto's peak is below, or within 0.5% of, the "
-              "lower of the two whole-loss policies. killed (timeout): the model's subprocess "
-              "ran past --timeout.", "",
-              "Variants: " + "; ".join(f"`{k}`: {v}" for k, v in DESCRIPTIONS.items()) + "."]
+              + best_of + ". killed (timeout): the model's subprocess ran past --timeout."
+              + (" outputs = jit: jaxmem.optimize's outputs against jax.jit's on CPU "
+                 "(docs/testing.md's compiled check; the largest relative difference)."
+                 if checked else ""), "",
+              "Variants: " + "; ".join(f"`{k}`: {v}" for k, v in desc.items()) + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -195,29 +288,39 @@ def main(argv: list[str] | None = None) -> int:
             Path(path).with_suffix(".md").write_text(render(recs))
             print(render(recs))
         return 0
-    from benchmarks.external.models import MODELS
-
     p = argparse.ArgumentParser(prog="python -m benchmarks.external", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="cpu", help="cpu, or a jaxmem.targets name (h100)")
     p.add_argument("--size", default="bench", choices=("test", "bench"))
-    p.add_argument("--models", default=",".join(MODELS))
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--set", default="models", choices=("models", "corpus"),
+                   help="models: benchmarks.external.models (the README table); corpus: "
+                        "benchmarks.external.corpus, users' own train steps")
+    p.add_argument("--models", default=None, help="comma-separated names (default: all)")
+    p.add_argument("--variants", default=None, help="comma-separated (default: all)")
     p.add_argument("--out", default="benchmarks/results/external", type=Path)
     p.add_argument("--timeout", default=3600, type=int, help="seconds per model")
     p.add_argument("--one", help=argparse.SUPPRESS)  # run one model in this process
     a = p.parse_args(argv)
-    stem = f"{a.target}-{a.size}"
+    corpus = a.set == "corpus"
+    if corpus:
+        from benchmarks.external.corpus import CORPUS as MODELS
+    else:
+        from benchmarks.external.models import MODELS
+    a.models = a.models or ",".join(MODELS)
+    a.variants = a.variants or ",".join(CORPUS_VARIANTS if corpus else VARIANTS)
+    stem = ("corpus-" if corpus else "") + f"{a.target}-{a.size}"
     variants = a.variants.split(",")
     if a.one:
         (a.out / stem).mkdir(parents=True, exist_ok=True)
-        _measure_one(a.one, a.size, a.target, variants, a.out / stem / f"{a.one}.json")
+        _measure_one(a.one, a.size, a.target, variants, a.out / stem / f"{a.one}.json",
+                     corpus=corpus)
         return 0
     order = a.models.split(",")
     for m in order:
         print(f"{m} ...", file=sys.stderr, flush=True)
         cmd = [sys.executable, "-m", "benchmarks.external", "--one", m, "--size", a.size,
-               "--target", a.target, "--variants", a.variants, "--out", str(a.out)]
+               "--target", a.target, "--variants", a.variants, "--out", str(a.out),
+               "--set", a.set]
         try:
             rc = subprocess.run(cmd, timeout=a.timeout).returncode
         except subprocess.TimeoutExpired:

@@ -119,7 +119,8 @@ def make_plan(options: Options, analysis: Analysis, step: Step, *, fn: Any,
         plan, compiled = unplanned_budget(plan, analysis, step, options.budget, fn,
                                           step.rewrite(plan) if plan.inner else None)
     plan = dataclasses.replace(plan, notes=plan.notes + logits_notes(analysis))
-    if options.verify and options.budget is None and (plan.offload or plan.recompute):
+    if options.verify and options.budget is None and (plan.offload or plan.recompute
+                                                      or plan.inner):
         plan, compiled = _verify(options, analysis, step, plan, compiled, defer)
     return Made(plan, compiled, stream_state)
 
@@ -162,6 +163,8 @@ def _verify(options: Options, analysis: Analysis, step: Step, plan: Plan, compil
     run, the candidate that drops the most (fewest FLOPs)."""
     if plan.offload:
         return verified_offload(plan, analysis, step, options.offload)
+    if plan.inner and not plan.recompute:  # planned inside loop / shard_map bodies
+        return choose.verified_as_is(plan, analysis, step)
     if not defer:
         return choose.verified(plan, analysis, step, options)
     return first_to_run(plan, strategies.auto_candidates(
