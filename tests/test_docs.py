@@ -37,6 +37,8 @@ EXPECTED = {
     "docs/external.md": [
         "python -m benchmarks table benchmarks/results/external/h100-bench.json",
         "python -m benchmarks table benchmarks/results/external/cpu-bench.json",
+        "python -m benchmarks table benchmarks/results/external/corpus-h100-test.json",
+        "python -m benchmarks table benchmarks/results/external/corpus-h100-bench.json",
     ],
 }
 
