@@ -108,13 +108,16 @@ def verified_as_is(plan: Plan, analysis: Analysis, step: Step) -> tuple[Plan, An
     the step's lower (the outer program's buffers, layouts and collectives are around it:
     a haiku ResNet18 under ``shard_map`` compiled 17% above plain ``jax.jit`` on the H100
     target). The plain step runs where the plan is not lower, with a warning and a note."""
-    jitted = step.rewrite(plan)
-    cand = Candidate(plan, jitted, cancellable(functools.partial(jitted.lower, *step.flat)))
-    base, (compiled,) = compile_candidates(step, [cand])
+    base, (compiled,) = compile_candidates(step, [_rewritten(plan, step)])
     if compiled.figures.peak < base.figures.peak:
-        kept, exe = _kept(compiled, base.figures, [plan], (), step)
-        return dataclasses.replace(kept, strategy=plan.strategy), exe
+        return _kept(compiled, base.figures, [plan], (), step)
     return _plain_kept(plan, analysis, compiled.figures, base, ())
+
+
+def _rewritten(plan: Plan, step: Step) -> Candidate:
+    """``plan`` as a candidate: its jitted rewrite of ``step`` and a lowering thunk."""
+    jitted = step.rewrite(plan)
+    return Candidate(plan, jitted, cancellable(functools.partial(jitted.lower, *step.flat)))
 
 
 def rewrite_candidates(plan: Plan, analysis: Analysis, step: Step,
@@ -126,12 +129,7 @@ def rewrite_candidates(plan: Plan, analysis: Analysis, step: Step,
                     analysis, max_recompute_fraction=options.max_recompute_fraction)]
     if options.remat_scans:  # scanned layers: their body policy alone is a candidate too
         variants += bodies_only(analysis, plan.donated)
-    out = []
-    for p in variants or [plan]:
-        jitted = step.rewrite(p)
-        out.append(Candidate(p, jitted, cancellable(functools.partial(jitted.lower,
-                                                                      *step.flat))))
-    return out
+    return [_rewritten(p, step) for p in variants or [plan]]
 
 
 def builtin_candidates(analysis: Analysis, step: Step, donated: tuple[int, ...]
@@ -179,7 +177,7 @@ def _kept(best: Compiled, base: Figures, tried: list[Plan], skipped: tuple[str, 
     exe = quick_compile.finish(best.lowered, best.exe)
     if exe is not best.exe:  # figures of what runs: the same, or warned
         fig = quick_compile.checked(fig, read(exe, best.candidate.jitted, step.flat))
-    if plan.strategy != "auto":
+    if plan.strategy != "auto" and not plan.strategy.startswith("auto: "):
         plan = dataclasses.replace(plan, strategy=f"auto: {plan.strategy}")
     if plan.loss_policy:  # JAX's partial evaluation chose what is recomputed
         plan = dataclasses.replace(

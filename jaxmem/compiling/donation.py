@@ -16,16 +16,15 @@ the first call and the state a step returns are donated alike.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
-from jaxmem.compiling.signature import normalise_argnums
+from jaxmem.compiling.signature import SCALARS, abstract, normalise_argnums
 from jaxmem.tracing.program import Program
-
-_SCALARS = (bool, int, float, complex)
 
 
 class Donation(NamedTuple):
@@ -35,20 +34,10 @@ class Donation(NamedTuple):
     notes: tuple[str, ...] = ()
 
 
-def abstract(x: Any) -> tuple[tuple[int, ...], str]:
-    """The shape and dtype ``jax.jit`` traces a leaf as (a Python scalar: its weakly typed
-    canonical dtype)."""
-    if isinstance(x, _SCALARS):
-        return (), str(jax.dtypes.result_type(x))
-    if isinstance(x, np.ndarray | np.generic):  # float64 is traced as float32 without x64
-        return x.shape, str(jax.dtypes.canonicalize_dtype(x.dtype))
-    return tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", ""))
-
-
 def _donatable(x: Any) -> bool:
     """Whether ``jax.jit`` can donate the buffer of leaf ``x``: an array (or its abstract
     stand-in placed on a compile-only target), a NumPy array, or a Python scalar."""
-    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic, *_SCALARS))
+    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic, *SCALARS))
 
 
 def decide(donate_argnums: int | Sequence[int] | str | None, dyn_args: tuple[Any, ...],
@@ -63,41 +52,31 @@ def decide(donate_argnums: int | Sequence[int] | str | None, dyn_args: tuple[Any
     """
     if donate_argnums != "auto":
         return Donation(normalise_argnums(donate_argnums, len(dyn_args)))
-    out_avals: dict[Any, int] = {}
-    for v in program.outputs:
-        k = (tuple(program.values[v].shape), str(program.values[v].dtype))
-        out_avals[k] = out_avals.get(k, 0) + 1
+    outputs = Counter((tuple(program.values[v].shape), str(program.values[v].dtype))
+                      for v in program.outputs)
     chosen, notes = [], []
     for i, a in enumerate(dyn_args):
         leaves = jax.tree_util.tree_leaves(a)
-        need: dict[Any, int] = {}
-        for x in leaves:
-            need[abstract(x)] = need.get(abstract(x), 0) + 1
-        why = _why_not(leaves, need, out_avals)
+        need = Counter(abstract(x) for x in leaves)
+        why = _why_not(leaves, need, outputs)
         if why:
             notes.append(f"argument {i} not donated: {why}")
             continue
         chosen.append(i)
-        for k, c in need.items():
-            out_avals[k] -= c
+        outputs -= need  # each output aliases one input
     return Donation(tuple(chosen), tuple(notes))
 
 
-def _why_not(leaves: list[Any], need: dict[Any, int], out_avals: dict[Any, int]) -> str:
+def _why_not(leaves: list[Any], need: Counter, outputs: Counter) -> str:
     """Why an argument with ``leaves`` is not donated ("" where it is)."""
     if not leaves:
         return "it holds no array"
     odd = [x for x in leaves if not _donatable(x)]
     if odd:
         return f"it holds a {type(odd[0]).__name__}, which jax.jit cannot donate"
-    missing = sum(c - min(c, out_avals.get(k, 0)) for k, c in need.items())
+    missing = (need - outputs).total()
     if missing:
         return (f"{missing} of its {len(leaves)} leaves do not come back among the "
                 "step's outputs (an input, not a state the step updates)")
     return ""
 
-
-def donated_argnums(donate_argnums: int | Sequence[int] | str | None,
-                    dyn_args: tuple[Any, ...], program: Program) -> tuple[int, ...]:
-    """:func:`decide`'s argument indices alone."""
-    return decide(donate_argnums, dyn_args, program).argnums

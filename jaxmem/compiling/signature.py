@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 
 from jaxmem.memory import state_offload
 from jaxmem.tracing import arguments
@@ -119,6 +120,21 @@ def normalise_argnums(argnums: int | Sequence[int] | None, n: int) -> tuple[int,
     return tuple(sorted(set(out)))
 
 
+#: Python scalar types: ``jax.jit`` traces each as a weakly typed array.
+SCALARS = (bool, int, float, complex)
+
+
+def abstract(x: Any) -> tuple[tuple[int, ...], str]:
+    """The shape and dtype ``jax.jit`` traces a leaf as (a Python scalar: its canonical
+    dtype, ``3`` as ``int32``; a NumPy array: its canonical dtype, float64 as float32
+    without x64)."""
+    if isinstance(x, SCALARS):
+        return (), str(jax.dtypes.result_type(x))
+    if isinstance(x, np.ndarray | np.generic):
+        return x.shape, str(jax.dtypes.canonicalize_dtype(x.dtype))
+    return tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", ""))
+
+
 def leaf_key(x: Any) -> Any:
     """A traced leaf's part of the cache key: shape, dtype, weak type and sharding, as
     ``jax.jit`` traces it. A Python scalar is keyed as the weakly typed array ``jax.jit``
@@ -127,8 +143,8 @@ def leaf_key(x: Any) -> Any:
     is compiled again for it, :func:`jaxmem.compiling.entry.placed`): a flax
     ``TrainState``'s ``step``, an ``int`` on the first call and the array the step returns
     on the next, is one signature, as for ``jax.jit``."""
-    if isinstance(x, bool | int | float | complex):
-        return ((), str(jax.dtypes.result_type(x)), not isinstance(x, bool), None)
+    if isinstance(x, SCALARS):
+        return (*abstract(x), not isinstance(x, bool), None)
     shape = tuple(getattr(x, "shape", ()))
     sharding = getattr(x, "sharding", None) if shape else None
     return (shape, str(getattr(x, "dtype", type(x))), getattr(x, "weak_type", False),
