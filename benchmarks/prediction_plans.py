@@ -49,7 +49,7 @@ def captured(w: zoo.Workload, target: str) -> dict[str, Any]:
     choose.compile_candidates = spy
     try:
         t0 = time.perf_counter()
-        chosen = jaxmem.optimize(w.step, donate_argnums=(0,)).plan(*args)
+        chosen = jaxmem.optimize(w.step, donate_argnums=(0,), verify="all").plan(*args)
         seconds = time.perf_counter() - t0
     finally:
         choose.compile_candidates = original

@@ -234,8 +234,11 @@ def optimize(fn: Callable[..., Any] | None = None, *, budget: Any = None,
         without editing the model) and the plain step on the arguments' target, keep the
         smallest; keep the plain step (with a warning and a note in the plan) if no plan's
         compiled peak is lower. This guarantees ``optimize`` is never worse than
-        ``jax.jit``, nor than that built-in policy on the whole loss, at one compile per
-        candidate on the first call (a plan cache hit compiles only the step).
+        ``jax.jit``, nor than that built-in policy on the whole loss. Of the candidate
+        plans only the three with the lowest peaks jaxmem's cost model predicts are
+        compiled (all of them only if none of those is below the plain step), so the first
+        call compiles about six programs (a plan cache hit compiles only the step).
+        ``"all"``: compile every candidate plan (slower; the choice of earlier releases).
         ``"background"``: the first call compiles and runs MEDL's auto plan alone
         (unverified, as ``verify=False`` would), then the candidates and the plain step
         compile in a thread while later calls run; the lowest takes over at the first call

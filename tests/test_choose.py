@@ -30,3 +30,74 @@ def test_jaxmems_own_count_is_what_the_planner_capped_already():
     base = _fig(100, 1000.0, "jaxmem")
     cands = [_cand("a", _fig(60, 1100.0, "jaxmem"))]
     assert within_cap(cands, base, 0.05) == (cands, ())
+
+
+class _Model:
+    """A cost model whose predicted peak of a plan is its ``recompute`` field."""
+
+    def __init__(self, analysis):
+        pass
+
+    def evaluate(self, drop, off):
+        return SimpleNamespace(peak=drop)
+
+
+def _plan(name: str, predicted: int):
+    return SimpleNamespace(strategy=name, recompute=predicted, offload=())
+
+
+def _ranked_run(monkeypatch, compiled_peaks: dict[str, int], verify=True):
+    """``choose.verified`` over five candidate plans (predicted peaks 50, 10, 40, 20, 30)
+    with synthetic compiled figures (the plain step: 100): what it compiled, in what
+    batches, and what it kept."""
+    from jaxmem.compiling import choose
+
+    cands = [Candidate(_plan(n, p), None, None)
+             for n, p in zip("abcde", (50, 10, 40, 20, 30), strict=True)]
+    batches: list[list[str]] = []
+
+    def compiled(cs):
+        batches.append([c.plan.strategy for c in cs])
+        return [Compiled(c, _fig(compiled_peaks[c.plan.strategy], 1000.0), None, None)
+                for c in cs]
+
+    monkeypatch.setattr(choose, "CostModel", _Model)
+    monkeypatch.setattr(choose, "rewrite_candidates", lambda *a: list(cands))
+    monkeypatch.setattr(choose, "builtin_candidates", lambda *a: ([], ()))
+    monkeypatch.setattr(choose, "compile_candidates", lambda step, cs: (
+        Compiled(None, _fig(100, 1000.0), None, None), compiled(cs)))
+    monkeypatch.setattr(choose, "compile_more", lambda step, cs: compiled(cs))
+    monkeypatch.setattr(choose, "_kept", lambda best, base, tried, skipped, step: (
+        "kept", best.candidate.plan.strategy, [p.strategy for p in tried], skipped))
+    monkeypatch.setattr(choose, "_plain_kept", lambda plan, analysis, best, base, skipped: (
+        "plain", best and best.peak, skipped))
+    options = SimpleNamespace(verify=verify, max_recompute_fraction=0.05)
+    return batches, choose.verified(SimpleNamespace(donated=(0,)), None, None, options)
+
+
+def test_only_the_best_predicted_plans_are_compiled_when_one_is_below_plain(monkeypatch):
+    peaks = dict(a=60, b=90, c=70, d=80, e=85)
+    batches, (kind, best, tried, skipped) = _ranked_run(monkeypatch, peaks)
+    assert batches == [["b", "d", "e"]]  # the three lowest predictions, in their order
+    assert (kind, best, tried) == ("kept", "d", ["b", "d", "e"])
+    assert skipped[-1].startswith("compiled 3 of 5 candidate plans") and "a, c" in skipped[-1]
+
+
+def test_the_rest_are_compiled_when_none_of_the_first_is_below_plain(monkeypatch):
+    peaks = dict(a=60, b=100, c=70, d=120, e=101)
+    batches, (kind, best, tried, skipped) = _ranked_run(monkeypatch, peaks)
+    assert batches == [["b", "d", "e"], ["a", "c"]]
+    assert (kind, best, tried) == ("kept", "a", ["b", "d", "e", "a", "c"])
+    assert not any("not compiled" in s for s in skipped)
+
+
+def test_verify_all_compiles_every_candidate_at_once(monkeypatch):
+    peaks = dict(a=60, b=90, c=70, d=80, e=85)
+    batches, (kind, best, _, _) = _ranked_run(monkeypatch, peaks, verify="all")
+    assert batches == [list("abcde")] and best == "a"
+
+
+def test_nothing_below_plain_keeps_plain_after_every_candidate(monkeypatch):
+    peaks = dict(a=100, b=100, c=130, d=120, e=101)
+    batches, (kind, best, _) = _ranked_run(monkeypatch, peaks)
+    assert len(batches) == 2 and kind == "plain" and best == 100
