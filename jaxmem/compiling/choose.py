@@ -97,17 +97,17 @@ def verified(plan: Plan, analysis: Analysis, step: Step, options: Options) -> tu
 TOP = 3
 
 
-def ranked(cands: list[Candidate], analysis: Analysis
-           ) -> tuple[list[Candidate], list[Candidate]]:
-    """``cands`` split into the :data:`TOP` with the lowest peaks the cost model predicts
-    for their drop and offload sets (:meth:`jaxmem.analyzing.costmodel.CostModel.evaluate`;
-    ties in the candidates' own order) and the rest, in their own order."""
+def ranked(cands: list[Any], analysis: Analysis, plan_of: Callable[[Any], Plan] =
+           lambda c: c.plan) -> tuple[list[Any], list[Any]]:
+    """``cands`` (candidates, or plans with ``plan_of`` the identity) split into the
+    :data:`TOP` with the lowest peaks the cost model predicts for their drop and offload
+    sets (:meth:`jaxmem.analyzing.costmodel.CostModel.evaluate`; ties in the candidates'
+    own order) and the rest, each in the candidates' own order."""
     if len(cands) <= TOP:
-        return cands, []
+        return list(cands), []
     model = CostModel(analysis)
-    peak = [model.evaluate(c.plan.recompute, c.plan.offload).peak for c in cands]
-    order = sorted(range(len(cands)), key=lambda i: (peak[i], i))
-    top = set(order[:TOP])
+    peak = [model.evaluate(plan_of(c).recompute, plan_of(c).offload).peak for c in cands]
+    top = set(sorted(range(len(cands)), key=lambda i: (peak[i], i))[:TOP])
     return ([c for i, c in enumerate(cands) if i in top],
             [c for i, c in enumerate(cands) if i not in top])
 

@@ -47,6 +47,7 @@ import jax
 from jaxmem import _jax
 from jaxmem.analyzing.analysis import Analysis, from_program
 from jaxmem.analyzing.costmodel import PROFILES, DeviceProfile
+from jaxmem.compiling.choose import ranked
 from jaxmem.planning import strategies
 from jaxmem.planning.plan import Choice, Decision, Plan
 from jaxmem.rewriting.rewrite import apply
@@ -181,9 +182,13 @@ class BodyPlanner:
             return None
         args = _abstract_args(eqn)
         base = _compiled(eqn, _jax.jaxpr_fun(program.jaxpr), args)
-        figs = [_compiled(eqn, apply(program, plan), args) for plan in cands]
+        first, rest = ranked(cands, analysis, plan_of=lambda p: p)  # as verify does
+        figs = [_compiled(eqn, apply(program, plan), args) for plan in first]
+        if rest and min(f.peak for f in figs) >= base.peak:  # none below: the others too
+            first += rest
+            figs += [_compiled(eqn, apply(program, plan), args) for plan in rest]
         i = lowest(figs)
-        best = (cands[i], figs[i])
+        best = (first[i], figs[i])
         if best[1].peak >= base.peak:
             self.plans.append(dataclasses.replace(
                 strategies.plan_none(analysis), strategy="shard_map body: none",
