@@ -397,6 +397,41 @@ def test_checkpointed_losses_wraps_top_level_gradients_only():
     assert (jax.grad, jax.value_and_grad) == (grad, vg)
 
 
+def test_checkpointed_losses_wraps_a_gradient_function_built_before_the_trace():
+    """Keras' JAX loop builds ``grad_fn = jax.value_and_grad(loss, has_aux=True)`` once,
+    outside the step: the built-in candidate must wrap that loss too (it reaches
+    ``jax._src.api.vjp``), while ``jax.vjp`` called by hand stays as written."""
+    from jax._src import api
+
+    from jaxmem import _jax
+
+    def compute_loss(w, x):
+        return jnp.sum(jnp.tanh(x @ w) ** 2), jnp.mean(x)
+
+    grad_fn = jax.value_and_grad(compute_loss, has_aux=True)
+
+    def step(w, x):
+        return grad_fn(w, x)
+
+    def by_hand(w, x):
+        out, pull = jax.vjp(lambda w: compute_loss(w, x)[0], w)
+        return out, pull(jnp.ones_like(out))
+
+    w, x = jnp.eye(4) * 0.5, jnp.ones((3, 4))
+    vjp = api.vjp
+    with _jax.checkpointed_losses(jax.checkpoint_policies.dots_saveable) as wrapped:
+        jaxpr = jax.make_jaxpr(step)(w, x)
+        manual = jax.make_jaxpr(by_hand)(w, x)
+    assert wrapped == ["compute_loss"]
+    assert any(e.primitive.name == "remat2" for e in jaxpr.eqns)
+    assert not any(e.primitive.name == "remat2" for e in manual.eqns)
+    assert api.vjp is vjp
+    want = jax.jit(step)(w, x)
+    got = jax.jit(lambda w, x: jax.core.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, w, x))(w, x)
+    for a, b in zip(jax.tree.leaves(want), got, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
 def test_a_loss_jax_checkpoint_cannot_take_skips_the_builtin_candidate():
     """A loss with a Python argument (here a string) differentiates under jax.grad but not
     under jax.checkpoint: the built-in candidate is left out with a note, the rest plans."""

@@ -11,6 +11,7 @@ what it swapped.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -106,10 +107,15 @@ def checkpointed_losses(policy: Any, checkpoint: Any = None) -> Iterator[list[st
     (jax.checkpoint(loss, policy=...))``. A train step already calls ``jax.value_and_grad``
     (or ``jax.grad``; flax nnx, equinox and optax-style steps do so through them), so for the
     duration of one trace this swaps the two for wrappers that differentiate the loss under
-    ``jax.checkpoint`` instead, under a lock, and always restores them. Only a
-    differentiation started outside any other is wrapped (a gradient taken inside the loss is
-    left alone). Yields the names of the losses wrapped: empty when the step calls neither
-    (``jax.vjp`` by hand), so the trace is the plain step's.
+    ``jax.checkpoint`` instead, under a lock, and always restores them. A gradient function
+    built before the trace (``grad_fn = jax.value_and_grad(loss)`` at module level, as
+    Keras' JAX training loop writes it) was made by the unpatched functions: it reaches
+    ``jax._src.api.vjp`` (semi-private: what ``value_and_grad`` calls), which is swapped
+    too, so its loss is wrapped the same way. ``jax.vjp`` called by hand is not (the public
+    name is bound to the unswapped function). Only a differentiation started outside any
+    other is wrapped (a gradient taken inside the loss is left alone). Yields the names of
+    the losses wrapped: empty when the step differentiates none of them this way, so the
+    trace is the plain step's.
 
     ``checkpoint(fun, policy, found)``: how to checkpoint the loss instead of
     ``jax.checkpoint(fun, policy=policy)``, e.g. each block under its own
@@ -117,39 +123,66 @@ def checkpointed_losses(policy: Any, checkpoint: Any = None) -> Iterator[list[st
     ``found``
     ran the loss as written, and the loss is not named.
     """
-    import functools
+    from jax._src import api
 
     wrapped: list[str] = []
-    originals = {"grad": jax.grad, "value_and_grad": jax.value_and_grad}
     depth = [0]  # inside a wrapped differentiation: its loss's own gradients stay as written
+
+    def remat_of(fun: Any) -> tuple[Any, list[int | None]]:
+        found: list[int | None] = []
+        return (checkpoint(fun, policy, found) if checkpoint is not None
+                else jax.checkpoint(fun, policy=policy)), found
+
+    def outermost(plain: Any, remat: Any, found: list[int | None], name: str) -> Any:
+        """``remat`` for a differentiation outside any other (named when it ran so)."""
+        def call(*a: Any, **k: Any) -> Any:
+            if depth[0] or under_differentiation():
+                return plain(*a, **k)
+            depth[0] += 1
+            try:
+                out = remat(*a, **k)
+            finally:
+                depth[0] -= 1
+            if not found or found[-1] is not None:
+                wrapped.append(name)
+            return out
+        return call
 
     def wrap(orig: Any) -> Any:
         @functools.wraps(orig)
         def transform(fun: Any, *args: Any, **kwargs: Any) -> Any:
             plain = orig(fun, *args, **kwargs)
-            found: list[int | None] = []
-            remat = orig(checkpoint(fun, policy, found) if checkpoint is not None
-                         else jax.checkpoint(fun, policy=policy), *args, **kwargs)
-
-            @functools.wraps(plain)
-            def call(*a: Any, **k: Any) -> Any:
-                if depth[0] or under_differentiation():
-                    return plain(*a, **k)
-                depth[0] += 1
-                try:
-                    out = remat(*a, **k)
-                finally:
-                    depth[0] -= 1
-                if not found or found[-1] is not None:
-                    wrapped.append(getattr(fun, "__name__", type(fun).__name__))
-                return out
-            return call
+            checkpointed, found = remat_of(fun)
+            return functools.wraps(plain)(outermost(
+                plain, orig(checkpointed, *args, **kwargs), found, _name(fun)))
         return transform
 
+    def vjp(fun: Any, *primals: Any, **kwargs: Any) -> Any:  # value_and_grad's own call
+        checkpointed, found = remat_of(fun)
+        return outermost(functools.partial(originals["vjp"], fun),
+                         functools.partial(originals["vjp"], checkpointed),
+                         found, _name(fun))(*primals, **kwargs)
+
     with _GRAD_PATCH_LOCK:
+        originals = {"grad": jax.grad, "value_and_grad": jax.value_and_grad,
+                     "vjp": api.vjp}
         jax.grad, jax.value_and_grad = (wrap(originals["grad"]),
                                         wrap(originals["value_and_grad"]))
+        api.vjp = vjp
         try:
             yield wrapped
         finally:
             jax.grad, jax.value_and_grad = originals["grad"], originals["value_and_grad"]
+            api.vjp = originals["vjp"]
+
+
+def _name(fun: Any) -> str:
+    """The loss's name: ``fun``'s, or, for ``value_and_grad``'s partial application of it
+    (``f_wrapped``), the name of the function it closes over."""
+    name = getattr(fun, "__name__", type(fun).__name__)
+    if name == "f_wrapped":
+        for cell in getattr(fun, "__closure__", None) or ():
+            inner = cell.cell_contents
+            if callable(inner) and hasattr(inner, "__name__"):
+                return inner.__name__
+    return name
