@@ -68,9 +68,10 @@ def _ranked_run(monkeypatch, compiled_peaks: dict[str, int], verify=True):
         Compiled(None, _fig(100, 1000.0), None, None), compiled(cs)))
     monkeypatch.setattr(choose, "compile_more", lambda step, cs: compiled(cs))
     monkeypatch.setattr(choose, "_kept", lambda best, base, tried, skipped, step: (
-        "kept", best.candidate.plan.strategy, [p.strategy for p in tried], skipped))
+        "kept", best.candidate.plan.strategy, list(tried), skipped))
     monkeypatch.setattr(choose, "_plain_kept", lambda plan, analysis, best, base, skipped: (
         "plain", best and best.peak, skipped))
+    monkeypatch.setattr(choose, "_hinted", lambda chosen, analysis, cap: chosen)
     options = SimpleNamespace(verify=verify, max_recompute_fraction=0.05)
     return batches, choose.verified(SimpleNamespace(donated=(0,)), None, None, options)
 

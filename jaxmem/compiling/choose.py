@@ -24,7 +24,7 @@ from jaxmem.compiling import quick_compile
 from jaxmem.compiling.background import cancellable
 from jaxmem.compiling.options import Options
 from jaxmem.compiling.steps import Step, read
-from jaxmem.planning import strategies
+from jaxmem.planning import lower_peaks, strategies
 from jaxmem.planning.plan import Plan
 from jaxmem.rewriting.scans import bodies_only
 from jaxmem.xla.measure import PEAK_TIE, Figures, fmt_bytes, lowest
@@ -81,13 +81,23 @@ def verified(plan: Plan, analysis: Analysis, step: Step, options: Options) -> tu
         more, more_over = within_cap(compile_more(step, rest), base.figures, cap)
         compiled, over = compiled + more, over + more_over
         first, rest = first + rest, []
-    skipped += over + _not_compiled(rest, len(cands))
+    skipped += over + _not_compiled(rest, cands)
     if not compiled:
-        return _plain_kept(plan, analysis, None, base, skipped)
+        return _hinted(_plain_kept(plan, analysis, None, base, skipped), analysis, cap)
     best = compiled[lowest([c.figures for c in compiled])]
     if best.figures.peak < base.figures.peak:
-        return _kept(best, base.figures, [c.plan for c in first + builtins], skipped, step)
-    return _plain_kept(plan, analysis, best.figures, base, skipped)
+        label = dict(zip(map(id, cands + builtins), _named(cands + builtins), strict=True))
+        return _hinted(_kept(best, base.figures, [label[id(c)] for c in first + builtins],
+                             skipped, step), analysis, cap)
+    return _hinted(_plain_kept(plan, analysis, best.figures, base, skipped), analysis, cap)
+
+
+def _hinted(chosen: tuple[Plan, Any], analysis: Analysis, cap: float) -> tuple[Plan, Any]:
+    """The chosen plan with :func:`jaxmem.planning.lower_peaks.hint`'s note (the lower
+    peak a budget would reach past the FLOP cap, predicted; nothing compiled for it)."""
+    plan, exe = chosen
+    note = lower_peaks.hint(analysis, plan, max_recompute_fraction=cap)
+    return (dataclasses.replace(plan, notes=plan.notes + (note,)) if note else plan), exe
 
 
 #: How many candidate plans :func:`verified` compiles first: those with the lowest
@@ -112,13 +122,27 @@ def ranked(cands: list[Any], analysis: Analysis, plan_of: Callable[[Any], Plan] 
             [c for i, c in enumerate(cands) if i not in top])
 
 
-def _not_compiled(rest: list[Candidate], n: int) -> tuple[str, ...]:
-    """The note for the candidate plans :func:`ranked` left out."""
+def _named(cands: list[Candidate]) -> list[str]:
+    """The candidates' strategy names, a repeated one numbered (``plan_auto``'s strict
+    variant is named ``auto`` too)."""
+    seen: dict[str, int] = {}
+    out = []
+    for c in cands:
+        seen[c.plan.strategy] = seen.get(c.plan.strategy, 0) + 1
+        n = seen[c.plan.strategy]
+        out.append(c.plan.strategy + (f" [{n}]" if n > 1 else ""))
+    return out
+
+
+def _not_compiled(rest: list[Candidate], cands: list[Candidate]) -> tuple[str, ...]:
+    """The note for the candidate plans :func:`ranked` left out (``rest`` of ``cands``)."""
     if not rest:
         return ()
-    names = ", ".join(c.plan.strategy for c in rest)
-    return (f"compiled {n - len(rest)} of {n} candidate plans, those with the lowest "
-            f"predicted peaks; not compiled: {names} (verify='all' compiles every one)",)
+    left = {id(c) for c in rest}
+    names = ", ".join(n for c, n in zip(cands, _named(cands), strict=True) if id(c) in left)
+    return (f"compiled {len(cands) - len(rest)} of {len(cands)} candidate plans, those with "
+            f"the lowest predicted peaks; not compiled: {names} (verify='all' compiles "
+            "every one)",)
 
 
 def within_cap(compiled: list[Compiled], base: Figures, cap: float
@@ -151,7 +175,7 @@ def verified_as_is(plan: Plan, analysis: Analysis, step: Step) -> tuple[Plan, An
     target). The plain step runs where the plan is not lower, with a warning and a note."""
     base, (compiled,) = compile_candidates(step, [_rewritten(plan, step)])
     if compiled.figures.peak < base.figures.peak:
-        return _kept(compiled, base.figures, [plan], (), step)
+        return _kept(compiled, base.figures, [plan.strategy], (), step)
     return _plain_kept(plan, analysis, compiled.figures, base, ())
 
 
@@ -216,7 +240,7 @@ def compile_more(step: Step, cands: list[Candidate]) -> list[Compiled]:
             zip(cands, lowered, exes, strict=True)]
 
 
-def _kept(best: Compiled, base: Figures, tried: list[Plan], skipped: tuple[str, ...],
+def _kept(best: Compiled, base: Figures, tried: list[str], skipped: tuple[str, ...],
           step: Step) -> tuple[Plan, Any]:
     """The winning candidate, compiled in full to run, with its figures and notes."""
     plan, fig = best.candidate.plan, best.figures
@@ -235,7 +259,7 @@ def _kept(best: Compiled, base: Figures, tried: list[Plan], skipped: tuple[str, 
                    if plan.loss_blocks else "") +
                 ": it compiled lower than jaxmem's rewrites here; the residual table "
                 "above is the step's own, JAX decides what is recomputed",))
-    names = ", ".join(p.strategy for p in tried)
+    names = ", ".join(tried)
     note = (f"compiled {len(tried)} candidate plan(s) for {fig.platform or 'cpu'}"
             f" ({names}); kept the lowest peak (within {PEAK_TIE:.2%}, the fewest "
             "FLOPs)")
