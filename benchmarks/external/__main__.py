@@ -21,7 +21,10 @@ jraph), written to ``OUT/corpus-<target>-<size>.json``; two more variants there:
 
 - ``block_dots``/``block_nothing``: the package's own per-block remat switch with that
   policy (transformers' ``enable_gradient_checkpointing``, which saves nothing per block;
-  penzai's ``Checkpointed``); ``n/a`` where the package has none.
+  penzai's ``Checkpointed``); ``n/a`` where the package has none;
+- ``budget_block`` (only when asked for): ``jaxmem.optimize(step, budget=<the lower
+  block_* peak of the same record>)``: does a budget reach the package's switch, at what
+  FLOPs (listed under the table).
 
 On ``--target cpu`` the ``auto`` variant also runs both steps and compares
 ``jaxmem.optimize``'s outputs with ``jax.jit``'s (``matches_jit``, ``max_rel_diff``).
@@ -150,8 +153,18 @@ def _measure_one(model: str, size: str, target: str, variants: list[str],
                 rec["variants"][v] = r
                 path.write_text(json.dumps(rec, indent=1))
                 continue
-            if v in ("auto", "budget50"):
-                kw = {"budget": 0.5} if v == "budget50" else {}
+            if v == "budget_block":
+                peaks = [rec["variants"][b]["peak"] for b in ("block_dots", "block_nothing")
+                         if "peak" in rec["variants"].get(b, {})]
+                if not peaks:
+                    r["skipped"] = "no block_dots / block_nothing peak in this record"
+                    rec["variants"][v] = r
+                    path.write_text(json.dumps(rec, indent=1))
+                    continue
+                r["budget"] = min(peaks)
+            if v in ("auto", "budget50", "budget_block"):
+                kw = ({"budget": 0.5} if v == "budget50" else
+                      {"budget": r["budget"]} if v == "budget_block" else {})
                 opt = jaxmem.optimize(w.make_step(), donate_argnums=(0,), **kw)
                 plan = opt.plan(*args)
                 f = plan.compiled
@@ -252,6 +265,7 @@ def render(records: list[dict[str, Any]]) -> str:
         lines.append(f"| {rec['model']} | {rec['library']} | {_mib(plain)} | {cell('dots')} "
                      f"| {cell('nothing')} | {mid}{cell('auto')} | {cell('budget50')} | {ok} |"
                      + same)
+    lines += _budget_block_lines(records)
     if savings:
         lines += ["", f"Mean saving of jaxmem auto: {100 * sum(savings) / len(savings):.1f}% "
                   f"over {len(savings)} models."]
@@ -266,6 +280,29 @@ def render(records: list[dict[str, Any]]) -> str:
                  if checked else ""), "",
               "Variants: " + "; ".join(f"`{k}`: {v}" for k, v in desc.items()) + "."]
     return "\n".join(lines) + "\n"
+
+
+def _budget_block_lines(records: list[dict[str, Any]]) -> list[str]:
+    """Under the table: ``budget_block`` (a budget at the package switch's peak), per row
+    that ran it: met or not, peak and FLOPs against the switch's."""
+    out = []
+    for rec in records:
+        vs = rec["variants"]
+        r = vs.get("budget_block")
+        if not r or "skipped" in r:
+            continue
+        switch = min((vs[b] for b in ("block_dots", "block_nothing") if "peak" in vs.get(b, {})),
+                     key=lambda x: x["peak"])
+        if "peak" in r:
+            what = (f"met: {r['peak']:,} B against the switch's {switch['peak']:,} B, "
+                    f"{r['flops']:.4g} FLOPs against {switch['flops']:.4g}")
+        else:
+            what = (f"{r.get('error', '?')}" + (f", lowest {r['minimum']:,} B against the "
+                                                f"switch's {switch['peak']:,} B"
+                                                if r.get("minimum") else ""))
+        out.append(f"- `{rec['model']}`, `budget=` the package switch's peak: {what}")
+    return ["", "Budget at the package's per-block switch (`budget_block`):", ""] + out \
+        if out else []
 
 
 def _write(out: Path, stem: str, records: list[dict[str, Any]]) -> None:
