@@ -148,12 +148,26 @@ def _mean_row(saved: Iterable[list[float]], blanks: int) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def _with_switch(vs: dict[str, Any]) -> dict[str, Any]:
+    """``vs`` with ``block``: the lower-peak of the package's per-block switches measured
+    (``block_dots`` / ``block_nothing``), or ``{"skipped": ...}`` where it has none."""
+    have = [vs[b] for b in ("block_dots", "block_nothing") if "peak" in vs.get(b, {})]
+    return dict(vs, block=min(have, key=lambda r: r["peak"]) if have else {"skipped": "n/a"})
+
+
 def external_summary(records: list[dict[str, Any]], source: str | None = None) -> str:
     """One row per external model: plain jit's peak and FLOPs, then the whole-loss built-in
-    policies and ``jaxmem.optimize``, each as its peak and FLOPs change against plain."""
+    policies, the package's own per-block switch where the records have one (corpus), and
+    ``jaxmem.optimize``, each as its peak and FLOPs change against plain."""
     if not records:
         return "(no results)\n"
     target, size = records[0]["target"], records[0]["size"]
+    switch = any(b in rec["variants"] for rec in records for b in ("block_dots",
+                                                                  "block_nothing"))
+    columns = dict(EXTERNAL_COLUMNS)
+    if switch:
+        columns = {"plain": "plain", "dots": "dots_saveable", "nothing": "nothing_saveable",
+                   "block": "package's per-block switch", "auto": "jaxmem"}
     flops = ("XLA's `cost_analysis()`" if target == "cpu" else
              "jaxmem's count of each variant's traced program (XLA reports none without "
              "the device)")
@@ -163,15 +177,18 @@ def external_summary(records: list[dict[str, Any]], source: str | None = None) -
         (f"From `{source}`: " if source else "") + f"{where}, size `{size}`. Peak: "
         "argument + output + temp − alias of XLA's `memory_analysis()`, train state donated; "
         f"FLOPs: {flops}. `dots_saveable` / `nothing_saveable`: the model's whole loss under "
-        "`jax.checkpoint(policy=...)`; `jaxmem`: `jaxmem.optimize(step)`, model unedited.",
+        "`jax.checkpoint(policy=...)`; "
+        + ("package's per-block switch: the lower of its remat switch per block with each "
+           "policy (an edit of the model's config; n/a: the package has none); "
+           if switch else "") + "`jaxmem`: `jaxmem.optimize(step)`, model unedited.",
         "",
         "| model | library | plain: peak / FLOPs | " + " | ".join(
-            f"{c}: peak / FLOPs" for v, c in EXTERNAL_COLUMNS.items() if v != "plain") + " |",
-        "|---|---|" + "---:|" * len(EXTERNAL_COLUMNS),
+            f"{c}: peak / FLOPs" for v, c in columns.items() if v != "plain") + " |",
+        "|---|---|" + "---:|" * len(columns),
     ]
-    saved: dict[str, list[float]] = {v: [] for v in EXTERNAL_COLUMNS if v != "plain"}
+    saved: dict[str, list[float]] = {v: [] for v in columns if v != "plain"}
     for rec in records:
-        vs = rec["variants"]
+        vs = _with_switch(rec["variants"]) if switch else rec["variants"]
         base = vs.get("plain", {})
         if "peak" not in base:
             continue
@@ -180,9 +197,11 @@ def external_summary(records: list[dict[str, Any]], source: str | None = None) -
         for v in saved:
             r = vs.get(v, {})
             if "peak" not in r:
-                cells.append("not run" if v not in vs else r.get("error", "").split(":")[0])
+                cells.append("not run" if v not in vs else "n/a" if "skipped" in r else
+                             r.get("error", "").split(":")[0])
                 continue
-            saved[v].append(1 - r["peak"] / base["peak"])
+            if v != "block":  # the switch's mean would be over some rows only
+                saved[v].append(1 - r["peak"] / base["peak"])
             cells.append(f"{_signed(r['peak'], base['peak'])} / "
                          f"{_signed(r['flops'], base['flops'])}")
         lines.append("| " + " | ".join(cells) + " |")
