@@ -34,6 +34,7 @@ from jaxmem.analyzing.analysis import find_residuals
 from jaxmem.analyzing.chains import backward_regions, chain_start, is_anchor, replay_chain
 from jaxmem.planning.plan import Plan
 from jaxmem.rewriting.substitutes import substitute_for
+from jaxmem.tracing.primitives import CHEAP
 from jaxmem.tracing.program import Node, Program, region_of
 
 __all__ = ["apply", "crossing_cotangents", "narrow_residuals", "rewrite"]
@@ -195,6 +196,35 @@ class _Replay:
             with _jax.user_context(m.eqn.source_info.traceback, m.stack):
                 fetched[(run, v)] = jax.device_put(x, _jax.device_space())
 
+    def untied(self, anchors: list[int], nodes: list[int]) -> list[int]:
+        """The chain anchors read beside the barrier: the step's own inputs that the chain
+        reads only through cheap nodes, and whose re-created values from them alone have no
+        live forward original.
+
+        A donated input read through a barrier in the backward pass is copied by XLA (its
+        buffer is the output's): an L2 penalty's ``2 * w`` re-created from every weight
+        kept a second copy of each (flax ResNet18 on the H100 target: +29 MiB). An input a
+        re-created matmul or convolution reads stays in the barrier, or XLA could hoist its
+        layout copy into the forward pass; so does one whose cheap derivatives (a bias's
+        broadcast) the forward pass also makes and reads: outside the barrier XLA would CSE
+        the re-created copy with the forward one and keep that buffer to the backward pass.
+        """
+        p = self.p
+        readers = [p.nodes[i] for i in nodes]
+        out = []
+        for a in anchors:
+            if p.values[a].producer is not None or any(
+                    n.kind not in CHEAP for n in readers if a in n.inputs):
+                continue
+            made = {a}  # the chain's values made from ``a`` (and constants) alone
+            for n in readers:
+                if all(v in made or p.values[v].is_const for v in n.inputs):
+                    made.update(n.outputs)
+            if not any(p.nodes[u].phase == "forward" for v in made - {a}
+                       for u in p.users.get(v, ())):
+                out.append(a)
+        return out
+
     def materialise(self, targets: list[int], env: dict[int, Any], host: dict[int, Any],
                     cache: dict[int, Any], tie: list[Any]) -> None:
         if not targets:
@@ -208,12 +238,16 @@ class _Replay:
         anchors = list(dict.fromkeys(
             [a for a in anchors if not self.p.values[a].is_const and a not in self.offload]
             + [v for v in targets if v not in self.offload and v not in self.recompute]))
+        # The step's own inputs do not (:meth:`untied`).
+        inputs = self.untied(anchors, nodes)
+        anchors = [a for a in anchors if a not in inputs]
         operands = [env[a] for a in anchors] + [host[v] for v in fetch]
         if tie and operands:
             # The barrier makes the re-created values depend on this region's cotangents, so
             # XLA cannot compute them early, nor CSE them with the forward originals.
             operands, _ = lax.optimization_barrier((operands, list(tie)))
         local = dict(cache)
+        local.update((a, env[a]) for a in inputs)
         for a, x in zip(anchors, operands[:len(anchors)], strict=True):
             local[a] = x
         for v, x in zip(fetch, operands[len(anchors):], strict=True):
