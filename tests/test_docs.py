@@ -25,7 +25,8 @@ DOCS = sorted((ROOT / "docs").glob("*.md"))
 #: move here too; one that disappears fails the test).
 EXPECTED = {
     "README.md": [
-        "python -m benchmarks table benchmarks/results/external/h100-bench.json --summary",
+        "python -m benchmarks table benchmarks/results/external/corpus-h100-bench.json "
+        "--summary",
     ],
     "docs/results.md": [
         "python -m benchmarks table benchmarks/results/bench_h100/results.json --summary",
@@ -88,8 +89,8 @@ def test_readme_is_a_front_door():
     assert 'pip install -e ".[test]" && python -m pytest -x -q' in lines
     assert "python -m pytest -x -q" in (ROOT / ".ci/run").read_text().splitlines()
     # each figure under the table names the command that measured it and its JSON
-    assert "python -m benchmarks.external --target h100" in text
-    assert "benchmarks/results/external/h100-bench.json" in text
+    assert "python -m benchmarks.external --set corpus --target h100" in text
+    assert "benchmarks/results/external/corpus-h100-bench.json" in text
 
 
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
