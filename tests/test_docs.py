@@ -40,6 +40,7 @@ EXPECTED = {
         "python -m benchmarks table benchmarks/results/external/cpu-bench.json",
         "python -m benchmarks table benchmarks/results/external/corpus-h100-test.json",
         "python -m benchmarks table benchmarks/results/external/corpus-h100-bench.json",
+        "python -m benchmarks table benchmarks/results/external/corpus-cpu-test.json",
     ],
 }
 
