@@ -102,3 +102,16 @@ def test_nothing_below_plain_keeps_plain_after_every_candidate(monkeypatch):
     peaks = dict(a=100, b=100, c=130, d=120, e=101)
     batches, (kind, best, _) = _ranked_run(monkeypatch, peaks)
     assert len(batches) == 2 and kind == "plain" and best == 100
+
+
+def test_plans_tied_with_the_last_of_the_best_predicted_are_compiled_too(monkeypatch):
+    """The model cannot tell two groupings of one drop set apart: a tie goes to the
+    compiler, not to the candidates' order."""
+    from jaxmem.compiling import choose
+
+    monkeypatch.setattr(choose, "CostModel", _Model)
+    cands = [Candidate(_plan(n, p), None, None)
+             for n, p in zip("abcdef", (10, 20, 20, 30, 20, 40), strict=True)]
+    first, rest = choose.ranked(cands, None)
+    assert [c.plan.strategy for c in first] == ["a", "b", "c", "e"]
+    assert [c.plan.strategy for c in rest] == ["d", "f"]
