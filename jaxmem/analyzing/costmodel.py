@@ -23,6 +23,7 @@ own); FLOPs are reported too. The model ranks; the compiler decides: the budget 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections import defaultdict
 from collections.abc import Iterable
@@ -164,16 +165,7 @@ class CostModel:
                          for n in prog.nodes]
         self.node_time = [p.node_time(n.flops, 2 * self.node_out[n.index] + 1)
                           for n in prog.nodes]
-        # backward regions (fixed: cut where residual activations are read; jaxmem.analyzing.chains)
-        self.regions = [
-            Region(frozenset(v for i in nodes for v in prog.nodes[i].inputs
-                             if v in self.activations))
-            for nodes in chains.backward_regions(
-                prog, lambda n: any(v in self.activations for v in n.inputs))]
-        self.readers: dict[int, list[int]] = defaultdict(list)
-        for i, r in enumerate(self.regions):
-            for v in r.reads:
-                self.readers[v].append(i)
+        self._cut(None)
         # offload windows: compute time between production and first backward read
         cum = [0.0]
         for t in self.node_time:
@@ -193,6 +185,33 @@ class CostModel:
         self.kappa = float(np.clip((predicted - self.floor) / max(self.base_stored, 1),
                                    0.05, 1.0))
         self.base = predicted - self.kappa * self.base_stored  # == floor unless clipped
+
+    def _cut(self, region_depth: int | None) -> None:
+        """The backward regions (cut where residual activations are read, and at block
+        boundaries of ``region_depth``; :func:`jaxmem.analyzing.chains.backward_regions`)
+        and the regions that read each value."""
+        prog, acts = self.program, self.activations
+        self.regions = [
+            Region(frozenset(v for i in nodes for v in prog.nodes[i].inputs if v in acts))
+            for nodes in chains.backward_regions(
+                prog, lambda n: any(v in acts for v in n.inputs), region_depth)]
+        self.readers: dict[int, list[int]] = defaultdict(list)
+        for i, r in enumerate(self.regions):
+            for v in r.reads:
+                self.readers[v].append(i)
+
+    def blocks(self, region_depth: int | None, keep: frozenset[int] = frozenset()
+               ) -> CostModel:
+        """A copy whose backward regions are also cut at ``region_depth``'s block
+        boundaries, with ``keep`` (a block plan's kept boundary values) as chain starts: the
+        cost model of a block plan. This model is not changed."""
+        m = copy.copy(self)
+        m.residual_ids = self.residual_ids | keep
+        m.bytes = dict(self.bytes)
+        for v in keep:
+            m.bytes.setdefault(v, self.program.values[v].nbytes)
+        m._cut(region_depth)
+        return m
 
     def scale(self, raw: float) -> int:
         """Model bytes -> predicted peak bytes."""

@@ -25,13 +25,11 @@ per-block one only.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Iterable
 
-from jaxmem.analyzing import chains
 from jaxmem.analyzing.analysis import Analysis
-from jaxmem.analyzing.costmodel import CostModel, DeviceProfile, Region
+from jaxmem.analyzing.costmodel import CostModel, DeviceProfile
 from jaxmem.planning.block_plans import block_depths, plan_blocks
 from jaxmem.planning.plan import Plan
 from jaxmem.xla.measure import fmt_bytes
@@ -72,26 +70,11 @@ class Lower:
 def block_model(model: CostModel, plan: Plan) -> CostModel:
     """``model`` with its backward regions cut where ``plan`` re-creates (its
     ``region_depth``: one region per block) and the plan's kept boundary values
-    (``plan.keep``) as chain starts: the cost model of a block plan. ``model`` itself is
-    not changed."""
+    (``plan.keep``) as chain starts (:meth:`CostModel.blocks`): the cost model of a block
+    plan. ``model`` itself when the plan has neither."""
     if plan.region_depth is None and not plan.keep:
         return model
-    m = copy.copy(model)
-    prog = model.program
-    m.residual_ids = model.residual_ids | plan.keep
-    m.bytes = dict(model.bytes)
-    for v in plan.keep:
-        m.bytes.setdefault(v, prog.values[v].nbytes)
-    acts = model.activations
-    m.regions = [Region(frozenset(v for i in nodes for v in prog.nodes[i].inputs
-                                  if v in acts))
-                 for nodes in chains.backward_regions(
-                     prog, lambda n: any(v in acts for v in n.inputs), plan.region_depth)]
-    m.readers = {}
-    for i, r in enumerate(m.regions):
-        for v in r.reads:
-            m.readers.setdefault(v, []).append(i)
-    return m
+    return model.blocks(plan.region_depth, plan.keep)
 
 
 def lower_peaks(analysis: Analysis, plan: Plan, *, profile: DeviceProfile | str | None = None,
