@@ -81,12 +81,12 @@ def verified(plan: Plan, analysis: Analysis, step: Step, options: Options) -> tu
         more, more_over = within_cap(compile_more(step, rest), base.figures, cap)
         compiled, over = compiled + more, over + more_over
         first, rest = first + rest, []
-    skipped += over + _not_compiled(rest, cands)
+    label = dict(zip(map(id, cands + builtins), _named(cands + builtins), strict=True))
+    skipped += over + _not_compiled([label[id(c)] for c in rest], len(cands))
     if not compiled:
         return _hinted(_plain_kept(plan, analysis, None, base, skipped), analysis, cap)
     best = compiled[lowest([c.figures for c in compiled])]
     if best.figures.peak < base.figures.peak:
-        label = dict(zip(map(id, cands + builtins), _named(cands + builtins), strict=True))
         return _hinted(_kept(best, base.figures, [label[id(c)] for c in first + builtins],
                              skipped, step), analysis, cap)
     return _hinted(_plain_kept(plan, analysis, best.figures, base, skipped), analysis, cap)
@@ -115,7 +115,7 @@ def ranked(cands: list[Any], analysis: Analysis, plan_of: Callable[[Any], Plan] 
     (:meth:`jaxmem.analyzing.costmodel.CostModel.evaluate`), with every candidate tied with
     the :data:`TOP`-th (the model does not see how a plan groups its re-creation, so plans
     that drop the same values tie, and the compiler tells them apart: a CNN's whole-step
-    block plan compiled 1.9% below the per-block one it tied with on the H100 target), and
+    block plan compiled 1.8% below the per-block one it tied with on the H100 target), and
     the rest, each in the candidates' own order."""
     if len(cands) <= TOP:
         return list(cands), []
@@ -138,14 +138,12 @@ def _named(cands: list[Candidate]) -> list[str]:
     return out
 
 
-def _not_compiled(rest: list[Candidate], cands: list[Candidate]) -> tuple[str, ...]:
-    """The note for the candidate plans :func:`ranked` left out (``rest`` of ``cands``)."""
+def _not_compiled(rest: list[str], n: int) -> tuple[str, ...]:
+    """The note naming the candidate plans :func:`ranked` left out (``rest``, of ``n``)."""
     if not rest:
         return ()
-    left = {id(c) for c in rest}
-    names = ", ".join(n for c, n in zip(cands, _named(cands), strict=True) if id(c) in left)
-    return (f"compiled {len(cands) - len(rest)} of {len(cands)} candidate plans, those with "
-            f"the lowest predicted peaks; not compiled: {names} (verify='all' compiles "
+    return (f"compiled {n - len(rest)} of {n} candidate plans, those with the lowest "
+            f"predicted peaks; not compiled: {', '.join(rest)} (verify='all' compiles "
             "every one)",)
 
 

@@ -238,7 +238,8 @@ class _Replay:
         anchors = list(dict.fromkeys(
             [a for a in anchors if not self.p.values[a].is_const and a not in self.offload]
             + [v for v in targets if v not in self.offload and v not in self.recompute]))
-        # The step's own inputs do not (:meth:`untied`).
+        # Anchors pass through the barrier below; the step inputs of :meth:`untied` are
+        # read beside it.
         inputs = self.untied(anchors, nodes)
         anchors = [a for a in anchors if a not in inputs]
         operands = [env[a] for a in anchors] + [host[v] for v in fetch]
