@@ -4,8 +4,10 @@ Step 2 of docs/testing.md for one entry of :mod:`benchmarks.external.corpus` at 
 ``test`` size on CPU: the step ``jaxmem.optimize`` runs and the user's step, each evaluated
 one primitive at a time (:mod:`tests.difftest.oracle`), compared bit for bit on every
 output. Planned without donation (the oracle reuses the arguments); ``--verify 0`` forces
-the rewrite's own ``auto`` plan, ``1`` (default) takes what ``verify`` chooses. Prints the
-outputs that differ op by op, with their scale and largest difference.
+the rewrite's own ``auto`` plan, ``1`` (default) takes what ``verify`` chooses; ``--no-substitute`` plans without the lean
+equivalents of :mod:`jaxmem.rewriting.substitutes` (to tell a substitute's rounding from
+the rest). Prints the outputs that differ op by op, with their scale and largest
+difference.
 """
 
 from __future__ import annotations
@@ -29,7 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("name")
     ap.add_argument("--verify", default="1", choices=("0", "1"))
+    ap.add_argument("--no-substitute", action="store_true",
+                    help="rewrite without jaxmem.rewriting.substitutes")
     a = ap.parse_args(argv)
+    if a.no_substitute:
+        from jaxmem.rewriting import rewrite
+        rewrite.substitute_for = lambda eqn: None
     e = corpus.make(a.name, "test")
     step, args = e.make_step(), (e.state, e.batch)
     opt = jaxmem.optimize(step, donate_argnums=(), verify=a.verify == "1")
