@@ -118,6 +118,42 @@ def test_flax_like_names_are_left_alone():
     assert structure.label(prog) is prog
 
 
+def _two_residuals_per_block(scopes):
+    """Two residual adds under each name of ``scopes`` (a transformer block's attention and
+    MLP residuals under one module, as penzai names them)."""
+    def loss(ws, x):
+        for scope, (w1, w2) in zip(scopes, ws, strict=True):
+            with jax.named_scope(scope):
+                x = x + jnp.tanh(x @ w1)
+                x = x + jnp.tanh(x @ w2)
+        return jnp.sum(x ** 2)
+
+    return program.trace(jax.grad(loss), [(jnp.eye(8), jnp.eye(8))] * len(scopes),
+                         jnp.ones((4, 8)))
+
+
+def test_named_modules_around_residual_blocks_are_a_level_above_them():
+    from jaxmem.planning import block_plans
+
+    prog = _two_residuals_per_block(["block0", "block1", "block2"])
+    labelled = structure.label(prog)
+    fwd = [n.layer for n in labelled.nodes if n.phase == "forward"]
+    assert "blk0/res1/layer0[block0]" in fwd and "blk2/res4/layer0[block2]" in fwd
+    assert 1 in block_plans.block_depths(labelled)
+    # depth 1 cuts per module: one boundary value per module (its input), where per
+    # residual block (depth 2) there are two
+    per_module = block_plans.block_boundaries(labelled, 1)
+    per_residual = block_plans.block_boundaries(labelled, 2)
+    assert per_module < per_residual
+    assert len(per_residual) - len(per_module) == 3
+
+
+def test_a_name_split_into_runs_adds_no_level():
+    # "a" twice, apart: not one module around consecutive residual blocks
+    labelled = structure.label(_two_residuals_per_block(["a", "b", "a"]))
+    assert all(n.layer.startswith("res") for n in labelled.nodes if n.phase == "forward")
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_optimize_matches_jit_and_lowers_peak_where_names_miss_layers(name, monkeypatch):
     """Same loss and gradients as jax.jit; a strictly lower peak than without the

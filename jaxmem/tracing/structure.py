@@ -14,7 +14,9 @@ models as they do for flax ones.
   one depth.
 - A *block* is the run of forward nodes up to and including one residual add
   (``res3``); a *layer* starts at each heavy node (``res3/layer1``). Without residual adds,
-  each layer is its own block (``layer7``).
+  each layer is its own block (``layer7``). Where the names put runs of residual blocks
+  under one module (penzai's ``TransformerBlock`` around its attention and MLP residuals),
+  the module is a level above them (``blk1/res3/layer1``: :func:`_named_groups`).
 - A backward node takes the layer of the forward values it reads (the latest of them in
   forward order; a parameter belongs to the layer that first reads it), else the layer of
   the backward node before it: JAX's transpose runs layer by layer in reverse.
@@ -114,6 +116,7 @@ def names_informative(program: Program) -> bool:
 def _forward_labels(program: Program) -> dict[int, str]:
     adds = set(residual_adds(program))
     labels: dict[int, str] = {}
+    res_of: dict[int, int] = {}
     block, layer = 0, -1
     for n in program.nodes:
         if n.phase != "forward":
@@ -123,9 +126,52 @@ def _forward_labels(program: Program) -> dict[int, str]:
             if not adds:
                 block = layer
         labels[n.index] = (f"res{block}/layer{layer}" if adds else f"layer{layer}")
+        res_of[n.index] = block
         if n.index in adds:
             block, layer = block + 1, -1
-    return labels
+    group = _named_groups(program, res_of) if adds else None
+    if group is None:
+        return labels
+    return {i: f"blk{group[res_of[i]]}/{lab}" for i, lab in labels.items()}
+
+
+def _named_groups(program: Program, res_of: dict[int, int]) -> dict[int, int] | None:
+    """Residual block -> group, where the names put runs of consecutive residual blocks
+    under one module (a transformer block's attention and MLP residuals, each its own
+    residual add, under one ``TransformerBlock``); None where they do not.
+
+    A residual block's name is the part of its first heavy node's name path after what
+    every such path shares (none without names or a heavy node: a group of its own). Groups only where they are clean and
+    add a level: every name is one run of consecutive blocks, at least three groups, and one
+    group holds two blocks or more. The group is then the block of the coarsest depth
+    (``blk2/res5/layer1``): a block plan at depth 1 keeps one value per transformer block,
+    as ``jax.checkpoint`` around each block does, where per residual it keeps two."""
+    path: dict[int, list[str]] = {}
+    for n in program.nodes:
+        if n.index in res_of and n.kind == P.Kind.HEAVY and res_of[n.index] not in path:
+            path[res_of[n.index]] = n.layer.split("/") if n.layer else []
+    named = [p for p in path.values() if p]
+    common = 0  # parts every name shares (an outer module around the whole model)
+    while named and all(len(p) > common + 1 and p[common] == named[0][common]
+                        for p in named):
+        common += 1
+    key = {b: p[common] if len(p) > common else None for b, p in path.items()}
+    group: dict[int, int] = {}
+    seen: set[str] = set()
+    g, prev = -1, None
+    for b in sorted(set(res_of.values())):
+        k = key.get(b)
+        if k is None or k != prev:
+            if k is not None and k in seen:
+                return None  # a name split into runs: not a module around blocks
+            g += 1
+            if k is not None:
+                seen.add(k)
+        group[b], prev = g, k
+    sizes = Counter(group.values())
+    if g + 1 < 3 or max(sizes.values()) < 2:
+        return None
+    return group
 
 
 def _with_name(structural: str, node: Node) -> str:
