@@ -293,9 +293,14 @@ def _budget_block_lines(records: list[dict[str, Any]]) -> list[str]:
             continue
         switch = min((vs[b] for b in ("block_dots", "block_nothing") if "peak" in vs.get(b, {})),
                      key=lambda x: x["peak"])
+        plain = vs.get("plain", {}).get("flops")
         if "peak" in r:
             what = (f"met: {r['peak']:,} B against the switch's {switch['peak']:,} B, "
                     f"{r['flops']:.4g} FLOPs against {switch['flops']:.4g}")
+            if plain:  # what each re-creates, over the plain step's count
+                what += (f" (recompute {r['flops'] - plain:.4g} against "
+                         f"{switch['flops'] - plain:.4g}: "
+                         + ("no more" if r["flops"] <= switch["flops"] else "more") + ")")
         else:
             what = (f"{r.get('error', '?')}" + (f", lowest {r['minimum']:,} B against the "
                                                 f"switch's {switch['peak']:,} B"
