@@ -522,3 +522,38 @@ def test_lowest_peak_breaks_near_ties_by_flops():
     assert lowest([fig(low + 1, 2.0), fig(low, 2.0)]) == 1       # same FLOPs: lower peak
     with pytest.raises(ValueError, match="no figures"):
         lowest([])
+
+
+def test_budget_search_lets_go_of_executables_beaten_on_peak_and_flops(monkeypatch):
+    """The search's compiles keep the executables of the plans no other compiled plan beats
+    on both peak and FLOPs (issue 37: planning memory), and give None for one let go (it is
+    compiled again for the first call)."""
+    from types import SimpleNamespace
+
+    from jaxmem.compiling import plan_step
+    from jaxmem.xla.measure import Figures
+
+    table = {"a": (100, 10.0), "b": (90, 12.0), "c": (80, 9.0), "d": (95, 11.0)}
+    monkeypatch.setattr(plan_step, "rewrite_key", lambda p: p.name)
+    monkeypatch.setattr(plan_step.measure, "compile", lambda lowered: f"exe {lowered}")
+    monkeypatch.setattr(plan_step, "read", lambda exe, jitted, flat: Figures(
+        argument=table[jitted][0], output=0, temp=0, alias=0, flops=table[jitted][1]))
+    step = SimpleNamespace(flat=(), rewrite=lambda p: _Jitted(p.name))
+    compiles = plan_step._Compiles(step)
+    plan = {k: SimpleNamespace(name=k, recompute=frozenset({1}), offload=frozenset())
+            for k in table}
+    for k in "ab":
+        compiles.plan(plan[k])
+    assert compiles.exe_for(plan["a"]) == "exe a" and compiles.exe_for(plan["b"]) == "exe b"
+    compiles.plan(plan["c"])  # beats both on peak and FLOPs
+    assert compiles.exe_for(plan["a"]) is None and compiles.exe_for(plan["b"]) is None
+    assert compiles.exe_for(plan["c"]) == "exe c"
+    compiles.plan(plan["d"])  # beaten by c on both: not kept
+    assert compiles.exe_for(plan["d"]) is None and compiles.exe_for(plan["c"]) == "exe c"
+
+
+class _Jitted(str):
+    """A stand-in for a jitted rewrite: its name, lowered to itself."""
+
+    def lower(self, *flat):
+        return str(self)

@@ -44,18 +44,31 @@ class Made(NamedTuple):
 
 
 class _Compiles:
-    """The budget search's compiles of one step, each executable kept (the chosen plan's
-    runs the first call); the plain step compiled once however often it is asked for."""
+    """The budget search's compiles of one step; the plain step compiled once however
+    often it is asked for. The executables of the plans no other compiled plan beats on
+    both peak and FLOPs are kept (the chosen plan's runs the first call); a plan beaten on
+    both is not the search's answer, and its executable is let go as soon as it is, so
+    planning holds a few executables, not one per compile (issue 37). Should the search
+    still choose one, it is compiled again for the first call (:meth:`exe_for` gives
+    None)."""
 
     def __init__(self, step: Step) -> None:
         self.step = step
         self.exes: dict[Any, Any] = {}
+        self.figures: dict[Any, Figures] = {}
         self._plain: Figures | None = None
 
     def plan(self, p: Plan) -> Figures:
         jitted = self.step.rewrite(p)
-        exe = self.exes[rewrite_key(p)] = measure.compile(jitted.lower(*self.step.flat))
-        return read(exe, jitted, self.step.flat)
+        key = rewrite_key(p)
+        exe = measure.compile(jitted.lower(*self.step.flat))
+        fig = read(exe, jitted, self.step.flat)
+        if not any(_beats(f, fig) for k, f in self.figures.items() if k != key):
+            self.exes[key], self.figures[key] = exe, fig
+            for k in [k for k, f in self.figures.items() if k != key and _beats(fig, f)]:
+                self.exes.pop(k, None)
+                self.figures.pop(k, None)
+        return fig
 
     def plain(self) -> Figures:
         # The plain step is the same program however often a search asks: compiled once
@@ -69,6 +82,11 @@ class _Compiles:
     def exe_for(self, p: Plan) -> Any:
         """The executable compiled for ``p`` (the plain step's when it drops nothing)."""
         return self.exes.get(rewrite_key(p) if p.recompute or p.offload else None)
+
+
+def _beats(a: Figures, b: Figures) -> bool:
+    """Whether ``a`` is at or below ``b`` on both peak and FLOPs, and below on one."""
+    return a.peak <= b.peak and a.flops <= b.flops and (a.peak, a.flops) != (b.peak, b.flops)
 
 
 def first_plan(analysis: Analysis, options: Options, fn: Any,
