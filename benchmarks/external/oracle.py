@@ -4,10 +4,10 @@ Step 2 of docs/testing.md for one entry of :mod:`benchmarks.external.corpus` at 
 ``test`` size on CPU: the step ``jaxmem.optimize`` runs and the user's step, each evaluated
 one primitive at a time (:mod:`tests.difftest.oracle`), compared bit for bit on every
 output. Planned without donation (the oracle reuses the arguments); ``--verify 0`` forces
-the rewrite's own ``auto`` plan, ``1`` (default) takes what ``verify`` chooses; ``--no-substitute`` plans without the lean
-equivalents of :mod:`jaxmem.rewriting.substitutes` (to tell a substitute's rounding from
-the rest). Prints the outputs that differ op by op, with their scale and largest
-difference.
+the rewrite's own ``auto`` plan, ``1`` (default) takes what ``verify`` chooses;
+``--no-substitute`` plans without the lean equivalents of
+:mod:`jaxmem.rewriting.substitutes` (to tell a substitute's rounding from the rest).
+Prints the outputs that differ op by op, with their scale and largest difference.
 """
 
 from __future__ import annotations

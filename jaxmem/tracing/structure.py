@@ -141,11 +141,12 @@ def _named_groups(program: Program, res_of: dict[int, int]) -> dict[int, int] | 
     residual add, under one ``TransformerBlock``); None where they do not.
 
     A residual block's name is the part of its first heavy node's name path after what
-    every such path shares (none without names or a heavy node: a group of its own). Groups only where they are clean and
-    add a level: every name is one run of consecutive blocks, at least three groups, and one
-    group holds two blocks or more. The group is then the block of the coarsest depth
-    (``blk2/res5/layer1``): a block plan at depth 1 keeps one value per transformer block,
-    as ``jax.checkpoint`` around each block does, where per residual it keeps two."""
+    every such path shares (none without names or a heavy node: a group of its own).
+    Groups only where they are clean and add a level: every name is one run of
+    consecutive blocks, at least three groups, and one group holds two blocks or more.
+    The group is then the block of the coarsest depth (``blk2/res5/layer1``): a block
+    plan at depth 1 keeps one value per transformer block, as ``jax.checkpoint`` around
+    each block does, where per residual it keeps two."""
     path: dict[int, list[str]] = {}
     for n in program.nodes:
         if n.index in res_of and n.kind == P.Kind.HEAVY and res_of[n.index] not in path:
