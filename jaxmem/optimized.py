@@ -239,6 +239,12 @@ def optimize(fn: Callable[..., Any] | None = None, *, budget: Any = None,
         compiled (all of them only if none of those is below the plain step), so the first
         call compiles about six programs (a plan cache hit compiles only the step).
         ``"all"``: compile every candidate plan (slower; the choice of earlier releases).
+        ``"predicted"``: compile the candidate plans one at a time, in full, best predicted
+        first, and run the first that compiles more than the cost model's error bound
+        (10%) below the plain step's *predicted* peak, or else below its compiled peak
+        (then compiled too); one compile where the margin allows
+        (:mod:`jaxmem.compiling.predicted`). It trusts the model within that bound and
+        does not compile the built-in policies, so it promises less than ``True``.
         ``"background"``: the first call compiles and runs MEDL's auto plan alone
         (unverified, as ``verify=False`` would), then the candidates and the plain step
         compile in a thread while later calls run; the lowest takes over at the first call

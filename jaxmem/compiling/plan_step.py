@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 from jaxmem.analyzing.analysis import Analysis
 from jaxmem.analyzing.losses import logits_notes
 from jaxmem.analyzing.tags import offload_tagged
-from jaxmem.compiling import choose, plan_cache
+from jaxmem.compiling import choose, plan_cache, predicted
 from jaxmem.compiling.background import first_to_run
 from jaxmem.compiling.builtin_fallbacks import builtin_within, unplanned_budget, why_unplanned
 from jaxmem.compiling.offload_verify import device_peak, verified_offload
@@ -183,6 +183,8 @@ def _verify(options: Options, analysis: Analysis, step: Step, plan: Plan, compil
         return verified_offload(plan, analysis, step, options.offload)
     if plan.inner and not plan.recompute:  # planned inside loop / shard_map bodies
         return choose.verified_as_is(plan, analysis, step)
+    if options.verify == "predicted":
+        return predicted.predicted(plan, analysis, step, options)
     if not defer:
         return choose.verified(plan, analysis, step, options)
     return first_to_run(plan, strategies.auto_candidates(

@@ -1,0 +1,115 @@
+"""``verify="predicted"``: one compile where the cost model's margin allows, checked.
+
+Part of the fifth box (:mod:`jaxmem.compiling`), beside :mod:`.choose` (issue 37). The
+candidate plans (:func:`.choose.rewrite_candidates`) are ranked by the peak jaxmem's cost
+model predicts for them (:class:`~jaxmem.analyzing.costmodel.CostModel`), and compiled
+one at a time, best first, each in full: the compile that checks a plan is the one the
+first call runs. The first that passes runs:
+
+- below the plain step's **predicted** peak (:attr:`Analysis.peak_bytes`) by more than
+  the prediction's error bound for the target (:data:`PLAIN_ERROR`): it is below the
+  plain step's compiled peak unless the model is off by more than that bound on this
+  step, so the plain step is not compiled (one compile in all);
+- otherwise below the plain step's **compiled** peak (the plain step is compiled once,
+  in full, when the first candidate needs it).
+
+At most :data:`~jaxmem.compiling.choose.TOP` candidates are compiled; when none passes,
+the plain step runs (compiled already), with a warning and a note, as with ``verify=True``.
+The built-in candidates (``jax.checkpoint(policy=dots_saveable)`` around the loss and its
+blocks) are not compiled: this mode does not promise to be at or below them; ``True``
+does. The plan's notes say which check each plan passed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+from jaxmem.analyzing.analysis import Analysis
+from jaxmem.analyzing.costmodel import CostModel
+from jaxmem.compiling.choose import TOP, Candidate, rewrite_candidates
+from jaxmem.compiling.options import Options
+from jaxmem.compiling.steps import Step, read
+from jaxmem.planning import strategies
+from jaxmem.planning.plan import Plan
+from jaxmem.xla import measure
+from jaxmem.xla.measure import Figures, fmt_bytes
+
+#: How far below the predicted plain peak a compiled plan must be for the plain step not to
+#: be compiled, per platform: the cost model's largest over-prediction of a plain step's
+#: compiled peak measured there (``python -m benchmarks.prediction``: the zoo's bench steps
+#: on CPU and the H100 target were within 10%), and a margin. A platform not listed always
+#: compiles the plain step.
+PLAIN_ERROR: dict[str, float] = {"cpu": 0.10, "cuda": 0.10, "gpu": 0.10, "tpu": 0.10}
+
+
+def predicted(plan: Plan, analysis: Analysis, step: Step, options: Options
+              ) -> tuple[Plan, Any]:
+    """The best-predicted candidate plan that passes (see the module's docstring), and its
+    executable; or the plain step and its executable, with a warning and a note."""
+    cands = rewrite_candidates(plan, analysis, step, options)
+    model = CostModel(analysis)
+    pred = [model.evaluate(c.plan.recompute, c.plan.offload).peak for c in cands]
+    order = sorted(range(len(cands)), key=lambda i: (pred[i], i))[:TOP]
+    bound = PLAIN_ERROR.get(step.platform)
+    plain_pred = analysis.peak_bytes
+    base: tuple[Figures, Any] | None = None
+    tried: list[str] = []
+    for i in order:
+        fig, exe = _compiled(cands[i], step)
+        tried.append(f"{cands[i].plan.strategy} {fmt_bytes(fig.peak)}")
+        if base is None and bound is not None and fig.peak < plain_pred * (1 - bound):
+            return _kept(cands[i].plan, fig, None, tried, (
+                f"checked against the plain step's predicted peak "
+                f"{fmt_bytes(plain_pred)}: more than {bound:.0%} below it (the cost "
+                "model's error bound on this target), so the plain step was not compiled"),
+                analysis), exe
+        if base is None:
+            base = _plain(step)
+        if fig.peak < base[0].peak:
+            return _kept(cands[i].plan, fig, base[0], tried, (
+                f"checked against the plain step's compiled peak "
+                f"{fmt_bytes(base[0].peak)}"), analysis), exe
+    if base is None:
+        base = _plain(step)
+    return _plain_kept(plan, analysis, base, tried)
+
+
+def _compiled(c: Candidate, step: Step) -> tuple[Figures, Any]:
+    """``c`` compiled in full (the executable the first call runs), and its figures."""
+    exe = measure.compile(c.lower())
+    return read(exe, c.jitted, step.flat), exe
+
+
+def _plain(step: Step) -> tuple[Figures, Any]:
+    """The plain step compiled in full, and its figures."""
+    exe = measure.compile(step.plain.lower(*step.flat))
+    return read(exe, step.plain, step.flat), exe
+
+
+def _kept(plan: Plan, fig: Figures, base: Figures | None, tried: list[str], check: str,
+          analysis: Analysis) -> Plan:
+    """``plan`` with its compiled figures (``base``: the plain step's, when compiled) and
+    the notes of what was compiled."""
+    if not plan.strategy.startswith("auto"):
+        plan = dataclasses.replace(plan, strategy=f"auto: {plan.strategy}")
+    note = (f"verify='predicted': compiled {len(tried)} candidate plan(s) for "
+            f"{fig.platform or 'cpu'}, best predicted first ({'; '.join(tried)}); kept the "
+            f"first that passed, {check}")
+    plan = dataclasses.replace(plan, notes=plan.notes + (note,))
+    if base is None:
+        return dataclasses.replace(plan, compiled=fig)
+    return plan.with_figures(fig, base)
+
+
+def _plain_kept(plan: Plan, analysis: Analysis, base: tuple[Figures, Any],
+                tried: list[str]) -> tuple[Plan, Any]:
+    """No candidate passed: the plain step runs, with a warning and a note."""
+    none = dataclasses.replace(strategies.plan_none(analysis), donated=plan.donated)
+    note = (f"verify='predicted': no candidate plan compiled below the plain step's "
+            f"{fmt_bytes(base[0].peak)} ({'; '.join(tried)}): kept the plain step "
+            "(verify=True also compiles the built-in policies; or try a budget)")
+    warnings.warn(f"jaxmem.optimize: {note}", stacklevel=7)
+    return (dataclasses.replace(none, notes=plan.notes + (note,), compiled=base[0],
+                                baseline=base[0]), base[1])

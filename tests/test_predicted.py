@@ -1,0 +1,135 @@
+"""``verify="predicted"`` (jaxmem.compiling.predicted): the best-predicted candidate
+compiled first and in full; the plain step compiled only when the plan is not below its
+predicted peak by the model's error bound. Synthetic figures for the order of compiles, a
+small step for the results and the compile count."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxmem
+from benchmarks.zoo.small import MLP, make_step
+from jaxmem import measure
+from jaxmem.compiling import predicted
+from jaxmem.compiling.choose import Candidate
+from jaxmem.xla.measure import Figures
+
+
+def _fig(peak: int) -> Figures:
+    return Figures(argument=peak, output=0, temp=0, alias=0, flops=1000.0)
+
+
+class _Model:
+    """A cost model whose predicted peak of a plan is its ``recompute`` field."""
+
+    def __init__(self, analysis):
+        pass
+
+    def evaluate(self, drop, off):
+        return SimpleNamespace(peak=drop)
+
+
+def _run(monkeypatch, compiled: dict[str, int], plain_predicted: int = 100,
+         plain: int = 100):
+    """``predicted.predicted`` over four candidates (predicted 40, 10, 30, 20) with
+    synthetic compiled peaks: what was compiled, in order, and what runs."""
+    order: list[str] = []
+    cands = [Candidate(SimpleNamespace(strategy=n, recompute=p, offload=(), notes=(),
+                                       donated=(0,)), None, None)
+             for n, p in zip("abcd", (40, 10, 30, 20), strict=True)]
+    monkeypatch.setattr(predicted, "CostModel", _Model)
+    monkeypatch.setattr(predicted, "rewrite_candidates", lambda *a: list(cands))
+
+    def compile_one(c, step):
+        order.append(c.plan.strategy)
+        return _fig(compiled[c.plan.strategy]), f"exe {c.plan.strategy}"
+
+    def compile_plain(step):
+        order.append("plain")
+        return _fig(plain), "exe plain"
+
+    monkeypatch.setattr(predicted, "_compiled", compile_one)
+    monkeypatch.setattr(predicted, "_plain", compile_plain)
+    monkeypatch.setattr(predicted, "_kept", lambda plan, fig, base, tried, check, a: (
+        plan.strategy, base is not None, check))
+    monkeypatch.setattr(predicted, "_plain_kept", lambda plan, a, base, tried: (
+        ("plain", base[0].peak), base[1]))
+    analysis = SimpleNamespace(peak_bytes=plain_predicted)
+    step = SimpleNamespace(platform="cpu")
+    options = SimpleNamespace(max_recompute_fraction=0.05)
+    return order, predicted.predicted(SimpleNamespace(donated=(0,)), analysis, step, options)
+
+
+def test_one_compile_when_the_best_predicted_is_well_below_the_predicted_plain(monkeypatch):
+    order, ((name, plain_compiled, check), exe) = _run(monkeypatch, dict(a=60, b=80, c=70,
+                                                                        d=75))
+    assert order == ["b"] and name == "b" and exe == "exe b" and not plain_compiled
+    assert "predicted peak" in check
+
+
+def test_the_plain_step_is_compiled_when_the_margin_is_not_there(monkeypatch):
+    # 95 is not 10% below the predicted 100, but below the compiled plain step's 100
+    order, ((name, plain_compiled, check), exe) = _run(monkeypatch, dict(a=60, b=95, c=70,
+                                                                        d=75))
+    assert order == ["b", "plain"] and name == "b" and plain_compiled
+    assert "compiled peak" in check
+
+
+def test_the_next_best_predicted_follows_a_plan_above_plain(monkeypatch):
+    order, ((name, _, _), exe) = _run(monkeypatch, dict(a=60, b=120, c=70, d=85))
+    assert order == ["b", "plain", "d"] and name == "d" and exe == "exe d"
+
+
+def test_the_plain_step_runs_when_no_candidate_is_below_it(monkeypatch):
+    order, (kept, exe) = _run(monkeypatch, dict(a=60, b=120, c=130, d=110))
+    # the three best predicted (b, d, c) and the plain step; "a" is never compiled
+    assert order == ["b", "plain", "d", "c"] and kept == ("plain", 100)
+    assert exe == "exe plain"
+
+
+def test_a_platform_without_a_bound_always_compiles_the_plain_step(monkeypatch):
+    monkeypatch.setattr(predicted, "PLAIN_ERROR", {})
+    order, _ = _run(monkeypatch, dict(a=60, b=10, c=70, d=75))
+    assert order == ["b", "plain"]
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    return make_step(MLP(width=256, depth=6), jnp.ones((256, 256)))
+
+
+def test_predicted_mode_matches_jit_below_its_peak_with_at_most_two_compiles(mlp,
+                                                                             monkeypatch):
+    step, state, (x, y) = mlp
+    plain = measure.measure(jax.jit(step), state, x, y)  # nothing donated, as below
+    ref = jax.jit(step)(state, x, y)
+    calls = []
+    real = measure.compile
+
+    def counting(lowered, options=None):
+        calls.append(1)
+        return real(lowered, options)
+
+    monkeypatch.setattr(measure, "compile", counting)
+    opt = jaxmem.optimize(step, donate_argnums=(), verify="predicted")
+    out = opt(state, x, y)
+    first = len(calls)
+    opt(state, x, y)
+    assert len(calls) == first <= 2, "compiled more than the plan and the plain step"
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref), strict=True):
+        if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-7)
+    plan = opt.plan(state, x, y)
+    assert any("verify='predicted'" in n for n in plan.notes), str(plan)
+    assert plan.compiled.peak < plain.peak, (plan.compiled, plain)
+
+
+def test_predicted_is_a_verify_option_of_its_own():
+    with pytest.raises(ValueError, match="'predicted'"):
+        jaxmem.optimize(lambda x: x, verify="predict")
