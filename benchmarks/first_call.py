@@ -11,6 +11,10 @@ in place, ``step.plan`` waiting for it). Wall seconds and CPU seconds (user + sy
 process, every thread summed) are both recorded: on a shared machine the wall time of one
 run swings with the load, its CPU time much less.
 
+``predicted``: an empty plan cache directory and ``verify="predicted"`` (candidates
+compiled one at a time in full, the plain step only when the model's margin is not there:
+:mod:`jaxmem.compiling.predicted`).
+
 ``budget``: an empty plan cache directory and ``budget=--budget`` (default 0.5: the budget
 search's compiles; a budget no plan meets raises ``BudgetError``, recorded as ``error``).
 Each process also records its peak host memory (``ru_maxrss``, the high-water mark of
@@ -21,7 +25,7 @@ events, every compile JAX or jaxmem asks for, with their seconds) and of
 winner compiled in full).
 
 Run:  python -m benchmarks.first_call [--model transformer] [--size bench] [--repeat 1]
-      [--modes plain,cold,warm,budget,background]
+      [--modes plain,cold,warm,budget,background,predicted]
 Writes benchmarks/results/first_call.json and .md (``first_call-<model>-<size>.*`` for
 another model or size).
 """
@@ -72,8 +76,8 @@ if mode == "plain":
 else:
     import jaxmem
     kw = {"budget": float(sys.argv[4])} if mode == "budget" else {}
-    step = jaxmem.optimize(w.step, verify="background" if mode == "background" else True,
-                           **kw)
+    verify = mode if mode in ("background", "predicted") else True
+    step = jaxmem.optimize(w.step, verify=verify, **kw)
 err = None
 try:  # a budget below what any plan reaches raises BudgetError: its compiles still count
     jax.block_until_ready(step(w.state, w.batch))
@@ -125,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
                 if m in runs:
                     runs[m].append(_run("jaxmem" if m != "plain" else m, args.model,
                                         args.size, d))
-        for m in ("budget", "background"):
+        for m in ("budget", "background", "predicted"):
             if m in runs:
                 with tempfile.TemporaryDirectory() as d:
                     runs[m].append(_run(m, args.model, args.size, d, args.budget))
@@ -147,11 +151,12 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
-MODES = ("plain", "cold", "warm", "budget", "background")
+MODES = ("plain", "cold", "warm", "budget", "background", "predicted")
 _NAMES = {"plain": "`jax.jit`", "cold": "`jaxmem.optimize`, cold plan cache",
           "warm": "`jaxmem.optimize`, warm plan cache",
           "budget": "`jaxmem.optimize(budget=0.5)`, cold plan cache",
-          "background": "`jaxmem.optimize(verify=\"background\")`, cold plan cache"}
+          "background": "`jaxmem.optimize(verify=\"background\")`, cold plan cache",
+          "predicted": "`jaxmem.optimize(verify=\"predicted\")`, cold plan cache"}
 _KEYS = ("seconds", "cpu_seconds", "max_rss_mib", "rss_before_mib", "xla_compiles",
          "xla_compile_seconds", "jaxmem_compiles")
 
