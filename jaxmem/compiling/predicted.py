@@ -3,8 +3,10 @@
 Part of the fifth box (:mod:`jaxmem.compiling`), beside :mod:`.choose` (issue 37). The
 candidate plans (:func:`.choose.rewrite_candidates`) are ranked by the peak jaxmem's cost
 model predicts for them (:class:`~jaxmem.analyzing.costmodel.CostModel`), and compiled
-one at a time, best first, each in full: the compile that checks a plan is the one the
-first call runs. The first that passes runs:
+best first, each in full (the compile that checks a plan is the one the first call
+runs): one at a time, or together where plans tie in the model (the same values dropped,
+grouped differently: the compiler tells them apart), the lowest of a group checked. The
+first that passes runs:
 
 - below the plain step's **predicted** peak (:attr:`Analysis.peak_bytes`) by more than
   the prediction's error bound for the target (:data:`PLAIN_ERROR`): it is below the
@@ -28,13 +30,14 @@ from typing import Any
 
 from jaxmem.analyzing.analysis import Analysis
 from jaxmem.analyzing.costmodel import CostModel
+from jaxmem.compiling import quick_compile
 from jaxmem.compiling.choose import TOP, Candidate, rewrite_candidates
 from jaxmem.compiling.options import Options
 from jaxmem.compiling.steps import Step, read
 from jaxmem.planning import strategies
 from jaxmem.planning.plan import Plan
 from jaxmem.xla import measure
-from jaxmem.xla.measure import Figures, fmt_bytes
+from jaxmem.xla.measure import Figures, fmt_bytes, lowest
 
 #: How far below the predicted plain peak a compiled plan must be for the plain step not to
 #: be compiled, per platform: the cost model's largest over-prediction of a plain step's
@@ -51,16 +54,18 @@ def predicted(plan: Plan, analysis: Analysis, step: Step, options: Options
     cands = rewrite_candidates(plan, analysis, step, options)
     model = CostModel(analysis)
     pred = [model.evaluate(c.plan.recompute, c.plan.offload).peak for c in cands]
-    order = sorted(range(len(cands)), key=lambda i: (pred[i], i))[:TOP]
     bound = PLAIN_ERROR.get(step.platform)
     plain_pred = analysis.peak_bytes
     base: tuple[Figures, Any] | None = None
     tried: list[str] = []
-    for i in order:
-        fig, exe = _compiled(cands[i], step)
-        tried.append(f"{cands[i].plan.strategy} {fmt_bytes(fig.peak)}")
+    for group in _tied(pred, TOP):
+        figs, exes = _compiled([cands[i] for i in group], step)
+        tried += [f"{cands[i].plan.strategy} {fmt_bytes(f.peak)}"
+                  for i, f in zip(group, figs, strict=True)]
+        k = lowest(figs)
+        c, fig, exe = cands[group[k]], figs[k], exes[k]
         if base is None and bound is not None and fig.peak < plain_pred * (1 - bound):
-            return _kept(cands[i].plan, fig, None, tried, (
+            return _kept(c.plan, fig, None, tried, (
                 f"checked against the plain step's predicted peak "
                 f"{fmt_bytes(plain_pred)}: more than {bound:.0%} below it (the cost "
                 "model's error bound on this target), so the plain step was not compiled"),
@@ -68,7 +73,7 @@ def predicted(plan: Plan, analysis: Analysis, step: Step, options: Options
         if base is None:
             base = _plain(step)
         if fig.peak < base[0].peak:
-            return _kept(cands[i].plan, fig, base[0], tried, (
+            return _kept(c.plan, fig, base[0], tried, (
                 f"checked against the plain step's compiled peak "
                 f"{fmt_bytes(base[0].peak)}"), analysis), exe
     if base is None:
@@ -76,10 +81,28 @@ def predicted(plan: Plan, analysis: Analysis, step: Step, options: Options
     return _plain_kept(plan, analysis, base, tried)
 
 
-def _compiled(c: Candidate, step: Step) -> tuple[Figures, Any]:
-    """``c`` compiled in full (the executable the first call runs), and its figures."""
-    exe = measure.compile(c.lower())
-    return read(exe, c.jitted, step.flat), exe
+def _tied(pred: list[int], top: int) -> list[list[int]]:
+    """Candidate indices by predicted peak, lowest first, in groups of equal prediction
+    (plans that drop the same values tie in the model, which does not see how a plan
+    groups its re-creation: the compiler tells them apart, so a group is compiled
+    together), until ``top`` candidates are in."""
+    order = sorted(range(len(pred)), key=lambda i: (pred[i], i))
+    groups: list[list[int]] = []
+    for i in order:
+        if sum(map(len, groups)) >= top and (not groups or pred[i] != pred[groups[-1][0]]):
+            break
+        if groups and pred[i] == pred[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def _compiled(cands: list[Candidate], step: Step) -> tuple[list[Figures], list[Any]]:
+    """``cands`` compiled in full, side by side (the executables the first call runs),
+    and their figures."""
+    _, exes = quick_compile.compile_all([c.lower for c in cands], measure.compile)
+    return [read(e, c.jitted, step.flat) for c, e in zip(cands, exes, strict=True)], exes
 
 
 def _plain(step: Step) -> tuple[Figures, Any]:
