@@ -7,7 +7,10 @@ model, size and target this plans the step both ways with an empty plan cache, e
 fresh process (no JAX compile cache or plan carried from one to the other), and records
 the peak each ends at, its strategy, the compiles jaxmem asked for
 (``jaxmem.xla.measure.compile`` calls: the candidates and the winner) and the seconds.
-The ranked choice must end at the exhaustive choice's peak (issue 37: within 1%).
+The ranked choice must end at the exhaustive choice's peak (issue 37: within 1%). A
+third run, ``verify="predicted"`` (:mod:`jaxmem.compiling.predicted`: the best-predicted
+candidates compiled one group at a time, the plain step only where the model's margin is
+not there), shows what one or two compiles give up.
 
 Usage::
 
@@ -39,7 +42,7 @@ import jaxmem
 from benchmarks import zoo
 from jaxmem.xla import measure
 name, size, target, verify = sys.argv[1:5]
-verify = True if verify == "ranked" else verify
+verify = True if verify == "ranked" else verify  # "all", "predicted" as given
 calls = {"n": 0}
 _compile = measure.compile
 def counted(*a, **k):
@@ -75,30 +78,38 @@ def one(name: str, size: str, target: str, verify: str, timeout: float) -> dict[
 
 def row(name: str, size: str, target: str, timeout: float) -> dict[str, Any]:
     r = {"model": name, "size": size, "target": target,
-         "all": one(name, size, target, "all", timeout),
-         "ranked": one(name, size, target, "ranked", timeout)}
-    a, b = r["all"], r["ranked"]
-    if "peak" in a and "peak" in b:
-        r["ranked_over_all_pct"] = round(100.0 * (b["peak"] / a["peak"] - 1.0), 3)
+         **{k: one(name, size, target, k, timeout) for k in MODES}}
+    a = r["all"]
+    for k in MODES[1:]:
+        if "peak" in a and "peak" in r[k]:
+            r[f"{k}_over_all_pct"] = round(100.0 * (r[k]["peak"] / a["peak"] - 1.0), 3)
     return r
+
+
+#: ``all``: verify="all"; ``ranked``: verify=True; ``predicted``: verify="predicted".
+MODES = ("all", "ranked", "predicted")
 
 
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     out = [f"`{meta['command']}` ({meta['date']}, commit {meta['git_commit'][:10]}, "
            f"jax {meta['jax']}); each plan in a fresh process, empty plan cache\n",
            "| model | size | target | `verify=\"all\"`: peak MiB / compiles / s | "
-           "`verify=True`: peak MiB / compiles / s | ranked vs all | strategies |",
-           "|---|---|---|---:|---:|---:|---|"]
+           "`verify=True`: peak MiB / compiles / s | ranked vs all | "
+           "`verify=\"predicted\"`: peak MiB / compiles / s | predicted vs all | "
+           "strategies |",
+           "|---|---|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         cells = []
-        for k in ("all", "ranked"):
-            v = r[k]
+        for k in MODES:
+            v = r.get(k, {"error": "not run"})
             cells.append(v["error"] if "error" in v else
                          f"{v['peak'] / 2**20:.3f} / {v['compiles']} / {v['seconds']:.1f}")
-        d = r.get("ranked_over_all_pct")
-        strat = " / ".join(r[k].get("strategy", "-") for k in ("all", "ranked"))
-        out.append(f"| {r['model']} | {r['size']} | {r['target']} | {cells[0]} | {cells[1]} "
-                   f"| {'' if d is None else f'{d:+.2f}%'} | {strat} |")
+            if k != "all":
+                d = r.get(f"{k}_over_all_pct")
+                cells.append("" if d is None else f"{d:+.2f}%")
+        strat = " / ".join(r.get(k, {}).get("strategy", "-") for k in MODES)
+        out.append(f"| {r['model']} | {r['size']} | {r['target']} | " + " | ".join(cells)
+                   + f" | {strat} |")
     return "\n".join(out) + "\n"
 
 
