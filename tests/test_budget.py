@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import jaxmem
+from jaxmem import measure
 from jaxmem.analyzing.analysis import from_program
 from jaxmem.planning.budget import (
     Budget,
@@ -557,3 +558,37 @@ class _Jitted(str):
 
     def lower(self, *flat):
         return str(self)
+
+
+def test_a_search_plan_too_large_to_compile_is_skipped_and_noted(mlp):
+    """A plan the compile callback declines as too large (TooLargeToCompile) is not
+    counted as compiled; the search moves on (to its block plans) and what it skipped is
+    said, here in the BudgetError when nothing else fits."""
+    from jaxmem.planning.budget.units import TooLargeToCompile
+    from jaxmem.rewriting import rewrite
+
+    step, args, a = mlp
+    flat = jax.tree_util.tree_leaves(args)
+    declined = []
+
+    def compile_plan(p):
+        if p.strategy == "budget":  # the search's own plans: declined
+            declined.append(p)
+            raise TooLargeToCompile("too large (test)")
+        return measure.measure(jax.jit(rewrite.apply(a.program, p)), *flat)
+
+    plain = measure.measure(jax.jit(step), *args).peak
+    with pytest.raises(BudgetError) as e:
+        plan_with_budget(a, int(0.7 * plain), compile_plan=compile_plan)
+    assert declined
+    assert "not compiled: too large (test)" in str(e.value), str(e.value)
+
+
+def test_a_rewrite_over_the_growth_limit_is_declined():
+    from jaxmem.compiling import plan_step
+    from jaxmem.planning.budget.units import TooLargeToCompile
+
+    jaxpr = jax.make_jaxpr(lambda x: jnp.sin(jnp.cos(x) * 2.0) + 1.0)(1.0).jaxpr  # 4
+    plan_step._check_size(jaxpr, 2)  # 2x: under the limit
+    with pytest.raises(TooLargeToCompile, match="4 equations, 4.0x the step's 1"):
+        plan_step._check_size(jaxpr, 1)

@@ -134,4 +134,6 @@ def no_fit(basis: Basis, lowest: int, compiles: int, allow_off: bool) -> BudgetE
         f"{compiles} compiles). Try offload=True to park residuals in host memory"
         + (" (already on)" if allow_off else "")
         + ", jaxmem.chunked for a bottleneck layer (a wide MLP, an LM head), a smaller "
-        "batch, or a larger budget.", basis.requested, lowest)
+        "batch, or a larger budget."
+        + "".join(f" {n}." for n in basis.notes if " not compiled: " in n),
+        basis.requested, lowest)

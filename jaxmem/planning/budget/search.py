@@ -99,6 +99,7 @@ class _Search:
             return outcome.finish_plain(self.basis)
         best, aim = self._start()
         best = self._loop(best, aim)
+        self.basis.notes.extend(self.tries.skipped)
         compiled = self.compile_plan is not None and not self.forced
         # A block plan is tried when nothing better fits: no plan, Chen's segments, or
         # greedy's lowest-memory plan (taken because the model could not reach its aim;

@@ -20,6 +20,7 @@ import numpy as np
 
 from jaxmem.analyzing.costmodel import CostModel
 from jaxmem.planning.budget.fallbacks import DevicePeak, Found, debug
+from jaxmem.planning.budget.units import TooLargeToCompile
 from jaxmem.planning.cost_model_plans import plan_from_sets
 from jaxmem.planning.plan import Plan
 from jaxmem.xla.measure import Figures, fmt_bytes
@@ -80,6 +81,7 @@ class Tries:
         self.max_compiles, self.compiles, self.lowest = max_compiles, compiles, lowest
         self.tried: dict[tuple[frozenset[int], frozenset[int]], Candidate] = {}
         self.points: list[tuple[int, int]] = []     # (model aim, compiled peak)
+        self.skipped: list[str] = []                # plans not compiled, and why
 
     def next_aim(self, requested: int) -> int:
         """:func:`next_aim` from the points so far."""
@@ -100,7 +102,9 @@ class Tries:
     def check(self, d: frozenset[int], o: frozenset[int], source: str, aim: int
               ) -> Candidate | None:
         """Compile (or, without a compiler, predict) the plan of ``(d, o)``; None when the
-        compile budget is spent. Each pair is compiled once."""
+        compile budget is spent, or when ``compile_plan`` declines the plan as too large to
+        compile (:class:`~jaxmem.planning.budget.units.TooLargeToCompile`; noted in
+        :attr:`skipped`). Each pair is compiled once."""
         ev = self.model.evaluate(d, o)
         done = self.tried.get((d, o))
         if done is not None:
@@ -109,7 +113,12 @@ class Tries:
             if self.compiles >= self.max_compiles:
                 return None
             plan = plan_from_sets(self.model, d, o, "budget", "budget")
-            fig = self.compile_plan(plan)
+            try:
+                fig = self.compile_plan(plan)
+            except TooLargeToCompile as e:  # not compiled: the search moves on
+                self.skipped.append(f"{source} plan not compiled: {e.note}")
+                debug(f"({source}): not compiled: {e.note}")
+                return None
             self.compiles += 1
             peak, note = self.device_peak(plan, fig)
             notes = (note,) if note else ()

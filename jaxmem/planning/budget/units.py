@@ -18,6 +18,16 @@ from jaxmem.xla.measure import parse_bytes
 __all__ = ["Budget", "BudgetError", "parse_budget", "resolve_budget"]
 
 
+class TooLargeToCompile(Exception):  # noqa: N818 - a signal to the search, not an error
+    """Raised by a budget search's ``compile_plan`` for a plan whose rewrite is too large
+    to be worth compiling (its ``note`` says why); the search then moves on as if that plan
+    had not fitted, and the note goes into the plan's notes."""
+
+    def __init__(self, note: str) -> None:
+        super().__init__(note)
+        self.note = note
+
+
 class BudgetError(ValueError):
     """No plan fits the memory budget.
 
