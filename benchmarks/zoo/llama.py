@@ -18,6 +18,11 @@ Variants (zoo names):
   ``nnx.vmap`` and applied with ``nnx.scan``, trained as a pure step via ``nnx.split`` /
   ``nnx.merge``.
 
+``attention`` (a config setting, ``"softmax"`` in every size) switches the attention to
+``jax.nn.dot_product_attention``: ``"dot_product"`` (JAX's implementation choice, XLA's in jax
+0.10.2) or ``"cudnn"`` (cuDNN flash attention, for a CUDA device or target; see
+:data:`ATTENTIONS` and docs/llm.md).
+
 ``remat_policy`` wraps each layer in ``nn.remat`` / ``nnx.remat`` (inside the scan for the
 scanned variants, with ``prevent_cse=False`` as JAX advises there).
 
@@ -62,6 +67,7 @@ from benchmarks.zoo.maxtext_presets import PRESETS
 from jaxmem.memory.chunked import chunked_cross_entropy
 
 __all__ = [
+    "ATTENTIONS",
     "BUILDERS",
     "CONFIGS",
     "DESCRIPTIONS",
@@ -69,6 +75,7 @@ __all__ = [
     "SIZES",
     "LlamaConfig",
     "decoder_layer",
+    "dot_product_attention",
     "make",
     "make_preset",
     "model_config",
@@ -86,17 +93,19 @@ _MAX_CONCRETE_PARAMS = 200_000_000
 
 _SIZES: dict[str, dict[str, Any]] = {
     "test": dict(batch=2, seq=16, vocab=128, d_model=32, layers=2, heads=4, kv_heads=2, ffn=64,
-                 tie_embeddings=False, rope_theta=10_000.0, dropout=0.0, chunk_loss=0),
+                 tie_embeddings=False, rope_theta=10_000.0, dropout=0.0, chunk_loss=0,
+                 attention="softmax"),
     "bench": dict(batch=4, seq=256, vocab=2048, d_model=256, layers=6, heads=8, kv_heads=2,
-                  ffn=768, tie_embeddings=False, rope_theta=10_000.0, dropout=0.0, chunk_loss=0),
+                  ffn=768, tie_embeddings=False, rope_theta=10_000.0, dropout=0.0, chunk_loss=0,
+                  attention="softmax"),
     # Llama-3.2-1B (config.json of meta-llama/Llama-3.2-1B; its llama3 rope scaling is left out).
     "1b": dict(batch=4, seq=4096, vocab=128_256, d_model=2048, layers=16, heads=32, kv_heads=8,
                ffn=8192, tie_embeddings=True, rope_theta=500_000.0, dropout=0.0,
-               chunk_loss=0),
+               chunk_loss=0, attention="softmax"),
     # Llama-3-8B (config.json of meta-llama/Meta-Llama-3-8B).
     "8b": dict(batch=1, seq=4096, vocab=128_256, d_model=4096, layers=32, heads=32, kv_heads=8,
                ffn=14_336, tie_embeddings=False, rope_theta=500_000.0, dropout=0.0,
-               chunk_loss=0),
+               chunk_loss=0, attention="softmax"),
 }
 
 #: Builder keyword arguments per zoo name and size, in the format of ``jaxmem.zoo``'s table.
@@ -132,6 +141,12 @@ class LlamaConfig:
     # > 0: the loss is jaxmem.memory.chunked.chunked_cross_entropy over this many token chunks (the
     # model returns the normed hidden states and the head; no [tokens, vocab] logits).
     chunk_loss: int = 0
+    # How the causal GQA attention is computed (see ATTENTIONS): "softmax" (the zoo's own
+    # einsum-softmax-einsum, the default of every size), "dot_product"
+    # (jax.nn.dot_product_attention as JAX picks its implementation: XLA's in jax 0.10.2) or
+    # "cudnn" (the same call with implementation="cudnn": cuDNN flash attention, for a CUDA
+    # device or target only).
+    attention: str = "softmax"
 
     def __post_init__(self):
         if self.d_model % self.heads:
@@ -143,6 +158,9 @@ class LlamaConfig:
         if self.head_dim % 2:
             raise ValueError(f"llama: head_dim={self.head_dim} must be even for rotary "
                              "embeddings")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"llama: attention must be one of {list(ATTENTIONS)}, got "
+                             f"{self.attention!r}")
 
     @property
     def head_dim(self) -> int:
@@ -201,11 +219,39 @@ def _rotary(x: jax.Array, theta: float) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def _causal_gqa(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+#: The values of :attr:`LlamaConfig.attention` (and of the GPT's ``attention`` setting), and the
+#: ``implementation`` each passes to ``jax.nn.dot_product_attention`` (``"softmax"`` does not
+#: call it). ``None`` is JAX's own choice, which in jax 0.10.2 is XLA's on every platform
+#: (``jax/_src/nn/functions.py``: "defaults to XLA for now"); a trace does not see the platform
+#: it will be compiled for, so cuDNN is asked for by name.
+ATTENTIONS: dict[str, str | None] = {"softmax": None, "dot_product": None, "cudnn": "cudnn"}
+
+
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, attention: str) -> jax.Array:
+    """Causal ``jax.nn.dot_product_attention`` of (batch, seq, heads, head_dim) arrays.
+
+    ``k`` and ``v`` may have fewer heads than ``q`` (grouped-query attention: ``heads`` a
+    multiple of theirs); the scale is ``head_dim ** -0.5``. ``attention`` is ``"dot_product"``
+    (JAX's implementation choice: XLA's in jax 0.10.2) or ``"cudnn"`` (cuDNN flash attention:
+    traces only where cuDNN is installed, compiles only for CUDA, bf16/fp16 inputs).
+    """
+    if attention not in ATTENTIONS or attention == "softmax":
+        raise ValueError(f"attention must be 'dot_product' or 'cudnn', got {attention!r}")
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                        implementation=ATTENTIONS[attention])
+
+
+def _causal_gqa(q: jax.Array, k: jax.Array, v: jax.Array,
+                attention: str = "softmax") -> jax.Array:
     """Causal softmax attention, each key/value head shared by ``heads // kv_heads`` queries.
 
     Scores and softmax in float32 (bf16 products, f32 accumulation), weights back to bf16.
+    With ``attention`` ``"dot_product"`` or ``"cudnn"``, :func:`dot_product_attention` (the
+    same math in one call; with ``"cudnn"`` one fused kernel whose residuals are its output
+    and the softmax statistics, not the ``[heads, seq, seq]`` weights).
     """
+    if attention != "softmax":
+        return dot_product_attention(q, k, v, attention)
     b, t, h, hd = q.shape
     kv = k.shape[2]
     q = (q * hd**-0.5).reshape(b, t, kv, h // kv, hd)
@@ -216,7 +262,8 @@ def _causal_gqa(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     return jnp.einsum("bkgts,bskd->btkgd", weights, v).reshape(b, t, h, hd)
 
 
-def _attention(x, *, query, key, value, out, theta: float) -> jax.Array:
+def _attention(x, *, query, key, value, out, theta: float,
+               attention: str = "softmax") -> jax.Array:
     """GQA self-attention of normed ``x``; kernels (d, heads, hd), (heads, hd, d), float32."""
     c = lambda w: w.astype(_COMPUTE)
     q = _rotary(jnp.einsum("btd,dhk->bthk", x, c(query)), theta)
@@ -225,7 +272,7 @@ def _attention(x, *, query, key, value, out, theta: float) -> jax.Array:
     q = checkpoint_name(q, "query_proj")
     k = checkpoint_name(k, "key_proj")
     v = checkpoint_name(v, "value_proj")
-    context = checkpoint_name(_causal_gqa(q, k, v), "context")
+    context = checkpoint_name(_causal_gqa(q, k, v, attention), "context")
     return checkpoint_name(jnp.einsum("bthk,hkd->btd", context, c(out)), "out_proj")
 
 
@@ -287,7 +334,8 @@ def decoder_layer(x: jax.Array, p: dict[str, dict[str, jax.Array]], cfg: LlamaCo
     x = checkpoint_name(x, "decoder_layer_input")
     with jax.named_scope("attention"):
         a = _rms_norm(x, p["attention_norm"]["scale"], cfg.norm_eps)
-        h = x + _attention(a, **p["attention"], theta=cfg.rope_theta)
+        h = x + _attention(a, **p["attention"], theta=cfg.rope_theta,
+                           attention=cfg.attention)
     with jax.named_scope("mlp"):
         m = _rms_norm(h, p["mlp_norm"]["scale"], cfg.norm_eps)
         out = h + _swiglu(m, **p["mlp"])

@@ -3,6 +3,12 @@ gelu MLP, dropout, residual adds), adamw, next-token cross-entropy.
 
 ``transformer_scan`` stacks the same blocks with ``nn.scan`` (the layers inside one
 ``lax.scan``).
+
+``attention`` (a size setting, ``"softmax"`` in every size) switches the attention:
+``"softmax"`` is the einsum-softmax-einsum with dropout on the weights; ``"dot_product"`` and
+``"cudnn"`` call ``jax.nn.dot_product_attention`` (implementation JAX's choice, XLA's in jax
+0.10.2, or ``"cudnn"``: flash attention on q, k, v cast to bfloat16, for a CUDA device or
+target only), which has no dropout on the weights (the residual and MLP dropout stay).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from benchmarks.zoo import llama as _llama
 from benchmarks.zoo._common import (
     Built,
     ModelSpec,
@@ -25,11 +32,17 @@ from benchmarks.zoo._common import (
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention with dropout on the attention weights and output."""
+    """Multi-head causal self-attention with dropout on the attention weights and output.
+
+    ``attention`` other than ``"softmax"``: :func:`benchmarks.zoo.llama.dot_product_attention`
+    (no dropout on the weights; ``"cudnn"`` computes in bfloat16, cuDNN's flash attention
+    takes no float32).
+    """
 
     d_model: int
     heads: int
     dropout: float
+    attention: str = "softmax"
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -37,6 +50,12 @@ class CausalSelfAttention(nn.Module):
         hd = d // self.heads
         qkv = nn.Dense(3 * d, name="qkv")(x).reshape(b, t, 3, self.heads, hd)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        if self.attention != "softmax":
+            cast = (lambda a: a.astype(jnp.bfloat16)) if self.attention == "cudnn" else (
+                lambda a: a)
+            y = _llama.dot_product_attention(cast(q), cast(k), cast(v), self.attention)
+            y = nn.Dense(d, name="out")(y.astype(x.dtype).reshape(b, t, d))
+            return nn.Dropout(self.dropout, deterministic=False, name="resid_drop")(y)
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(hd).astype(x.dtype)
         mask = jnp.tril(jnp.ones((t, t), bool))
         scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
@@ -53,10 +72,12 @@ class DecoderBlock(nn.Module):
     d_model: int
     heads: int
     dropout: float
+    attention: str = "softmax"
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + CausalSelfAttention(self.d_model, self.heads, self.dropout, name="attn")(
+        x = x + CausalSelfAttention(self.d_model, self.heads, self.dropout, self.attention,
+                                    name="attn")(
             nn.LayerNorm(name="ln1")(x)
         )
         h = nn.Dense(4 * self.d_model, name="fc")(nn.LayerNorm(name="ln2")(x))
@@ -70,10 +91,12 @@ class _ScanBlock(nn.Module):
     d_model: int
     heads: int
     dropout: float
+    attention: str = "softmax"
 
     @nn.compact
     def __call__(self, x: jax.Array, _: None) -> tuple[jax.Array, None]:
-        return DecoderBlock(self.d_model, self.heads, self.dropout, name="block")(x), None
+        return DecoderBlock(self.d_model, self.heads, self.dropout, self.attention,
+                            name="block")(x), None
 
 
 class GPT(nn.Module):
@@ -91,6 +114,7 @@ class GPT(nn.Module):
     dropout: float
     scan: bool = False
     policy: Policy | None = None
+    attention: str = "softmax"
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -107,32 +131,39 @@ class GPT(nn.Module):
                 split_rngs={"params": True, "dropout": True},
                 length=self.layers,
             )
-            x, _ = stack(self.d_model, self.heads, self.dropout, name="layers")(x, None)
+            x, _ = stack(self.d_model, self.heads, self.dropout, self.attention,
+                         name="layers")(x, None)
         else:
             block = maybe_remat(DecoderBlock, self.policy)
             for i in range(self.layers):
-                x = block(self.d_model, self.heads, self.dropout, name=f"block{i}")(x)
+                x = block(self.d_model, self.heads, self.dropout, self.attention,
+                          name=f"block{i}")(x)
         x = nn.LayerNorm(name="ln_f")(x)
         return nn.Dense(self.vocab, name="head")(x)
 
 
 def build(*, key, rng, seed, policy, abstract, batch, seq, vocab, d_model, heads, layers,
-          dropout, scan: bool = False) -> Built:
+          dropout, attention: str = "softmax", scan: bool = False) -> Built:
     """The ``transformer`` train step, or with ``scan=True`` ``transformer_scan``."""
+    if attention not in _llama.ATTENTIONS:
+        raise ValueError(f"transformer: attention must be one of {list(_llama.ATTENTIONS)}, "
+                         f"got {attention!r}")
     kd, km = jax.random.split(key)
     data = token_data(kd, batch, seq, vocab)
     # A typed "rbg" key for dropout, as large-model trainers (MaxText, T5X) configure JAX: it
     # halves the compile time of a step with many dropout sites against threefry.
     rng = jax.random.key(seed, impl="rbg")
-    model = GPT(vocab, seq, d_model, heads, layers, dropout, scan, policy)
+    model = GPT(vocab, seq, d_model, heads, layers, dropout, scan, policy, attention)
     tx = optax.adamw(3e-4, weight_decay=0.01)
     step, grads, state = linen_train_step(model, tx, km, rng, data, abstract=abstract)
     return Built(step, grads, state, data, layers)
 
 
 _SIZES = {
-    "test": dict(batch=2, seq=16, vocab=64, d_model=32, heads=2, layers=2, dropout=0.1),
-    "bench": dict(batch=4, seq=256, vocab=1024, d_model=128, heads=4, layers=6, dropout=0.1),
+    "test": dict(batch=2, seq=16, vocab=64, d_model=32, heads=2, layers=2, dropout=0.1,
+                 attention="softmax"),
+    "bench": dict(batch=4, seq=256, vocab=1024, d_model=128, heads=4, layers=6, dropout=0.1,
+                  attention="softmax"),
 }
 
 MODELS = {

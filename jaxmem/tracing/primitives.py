@@ -49,9 +49,26 @@ HEAVY: set[str] = {
     "dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general", "fft",
     "cholesky", "triangular_solve", "lu", "qr", "householder_product", "eig", "eigh",
     "svd", "schur", "hessenberg", "tridiagonal", "tridiagonal_solve",
-    "dot_product_attention", "custom_call", "cumsum", "cumprod", "cummax", "cummin",
+    "custom_call", "cumsum", "cumprod", "cummax", "cummin",
     "cumlogsumexp", "sort", "top_k", "argsort",
 }
+
+#: cuDNN's fused (flash) attention, as ``jax.nn.dot_product_attention(...,
+#: implementation="cudnn")`` binds it (``jax/_src/cudnn/fused_attention_stablehlo.py``): a
+#: differentiated step holds the ``*_wrapper`` pair (the custom_vjp already resolved), whose
+#: forward returns the output and the softmax statistics (float32 logsumexp, [B, N, T]), the
+#: residuals its backward reads besides q, k, v; the unwrapped primitives are what the wrappers
+#: lower through. Each is one heavy layer, like a ``dot_general``. (JAX has no primitive named
+#: ``dot_product_attention``: its XLA implementation is plain einsums and a softmax.)
+ATTENTION_FWD: frozenset[str] = frozenset({
+    "dot_product_attention_fwd", "dot_product_attention_fwd_wrapper",
+    "dot_product_attention_fp8_fwd", "dot_product_attention_fp8_fwd_wrapper",
+})
+ATTENTION_BWD: frozenset[str] = frozenset({
+    "dot_product_attention_bwd", "dot_product_attention_bwd_wrapper",
+    "dot_product_attention_fp8_bwd", "dot_product_attention_fp8_bwd_wrapper",
+})
+HEAVY |= ATTENTION_FWD | ATTENTION_BWD
 
 UTILITY: set[str] = {
     # elementwise arithmetic and activations
@@ -157,6 +174,8 @@ def flops(name: str, in_avals: Sequence[Any], out_avals: Sequence[Any],
         spec = params["dimension_numbers"].rhs_spec  # (out feature, in feature, *spatial)
         k = math.prod(rhs[d] for d in spec[1:])
         return 2.0 * out_size * k
+    if name in ATTENTION_FWD or name in ATTENTION_BWD:
+        return _attention_flops(name, in_avals, params)
     if classify(name) is Kind.FREE:
         return 0.0
     if name in ("random_bits", "threefry2x32"):
@@ -176,3 +195,29 @@ def flops(name: str, in_avals: Sequence[Any], out_avals: Sequence[Any],
         batch = size(in_avals[0]) // max(m * m, 1)
         return float(batch * m**3)
     return float(out_size)
+
+
+def _attention_flops(name: str, in_avals: Sequence[Any], params: dict[str, Any]) -> float:
+    """FLOPs of one cuDNN fused attention call (in_avals start with query, key, value).
+
+    Forward: ``4·B·N·T·S·H``, the two matmuls ``Q·Kᵀ`` ([B, N, T, S], contraction H) and
+    ``P·V`` (2 FLOPs a multiply-add each); the softmax is left out (O(B·N·T·S), not ×H).
+    Backward: 2.5 times that, five such matmuls (``Q·Kᵀ`` again, ``dO·Vᵀ``, ``Pᵀ·dO``,
+    ``dS·K``, ``dSᵀ·Q``). A causal mask halves both (flash attention skips the masked
+    blocks); a sliding window is not counted.
+    """
+    q, k = in_avals[0].shape, in_avals[1].shape
+    if len(q) != 4 or len(k) != 4:
+        return float(size(in_avals[0]))
+    if int(params.get("layout", 0)) == 1:  # BNTH (cudnn AttentionLayout.BNTH)
+        b, n, t, h = q
+        s = k[2]
+    else:                                 # BTNH, jax.nn.dot_product_attention's layout
+        b, t, n, h = q
+        s = k[1]
+    total = 4.0 * b * n * t * s * h
+    if name in ATTENTION_BWD:
+        total *= 2.5
+    if "CAUSAL" in str(params.get("mask_type", "")).upper():  # CAUSAL, PADDING_CAUSAL
+        total /= 2
+    return total
