@@ -295,12 +295,14 @@ def _budget_block_lines(records: list[dict[str, Any]]) -> list[str]:
                      key=lambda x: x["peak"])
         plain = vs.get("plain", {}).get("flops")
         if "peak" in r:
-            what = (f"met: {r['peak']:,} B against the switch's {switch['peak']:,} B, "
-                    f"{r['flops']:.4g} FLOPs against {switch['flops']:.4g}")
+            what = (f"met by `{r.get('strategy', '?')}`: {r['peak']:,} B against the "
+                    f"switch's {switch['peak']:,} B, {r['flops']:.4g} FLOPs against "
+                    f"{switch['flops']:.4g}")
             if plain:  # what each re-creates, over the plain step's count
+                extra = r["flops"] - switch["flops"]
                 what += (f" (recompute {r['flops'] - plain:.4g} against "
                          f"{switch['flops'] - plain:.4g}: "
-                         + ("no more" if r["flops"] <= switch["flops"] else "more") + ")")
+                         + ("no more" if extra <= 0 else f"{extra:.3g} more") + ")")
         else:
             what = (f"{r.get('error', '?')}" + (f", lowest {r['minimum']:,} B against the "
                                                 f"switch's {switch['peak']:,} B"
