@@ -541,8 +541,8 @@ def test_budget_search_lets_go_of_executables_beaten_on_peak_and_flops(monkeypat
         argument=table[jitted][0], output=0, temp=0, alias=0, flops=table[jitted][1]))
     step = SimpleNamespace(flat=(), rewrite=lambda p: _Jitted(p.name))
     compiles = plan_step._Compiles(step)
-    plan = {k: SimpleNamespace(name=k, recompute=frozenset({1}), offload=frozenset())
-            for k in table}
+    plan = {k: SimpleNamespace(name=k, recompute=frozenset({1}), offload=frozenset(),
+                               strategy="blocks(depth=1)") for k in table}
     for k in "ab":
         compiles.plan(plan[k])
     assert compiles.exe_for(plan["a"]) == "exe a" and compiles.exe_for(plan["b"]) == "exe b"
@@ -554,10 +554,12 @@ def test_budget_search_lets_go_of_executables_beaten_on_peak_and_flops(monkeypat
 
 
 class _Jitted(str):
-    """A stand-in for a jitted rewrite: its name, lowered to itself."""
+    """A stand-in for a jitted rewrite: its name, traced and lowered to itself."""
 
-    def lower(self, *flat):
-        return str(self)
+    def trace(self, *flat):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(jaxpr=None, lower=lambda: str(self))
 
 
 def test_a_search_plan_too_large_to_compile_is_skipped_and_noted(mlp):
