@@ -18,6 +18,7 @@ from jaxmem import measure
 from jaxmem.compiling import predicted
 from jaxmem.compiling.choose import Candidate
 from jaxmem.xla.measure import Figures
+from tests._compiles import count_compiles
 
 
 def _fig(peak: int) -> Figures:
@@ -130,14 +131,7 @@ def test_predicted_mode_matches_jit_below_its_peak_compiling_each_program_once(
     step, state, (x, y) = mlp
     plain = measure.measure(jax.jit(step), state, x, y)  # nothing donated, as below
     ref = jax.jit(step)(state, x, y)
-    calls = []
-    real = measure.compile
-
-    def counting(lowered, options=None):
-        calls.append(1)
-        return real(lowered, options)
-
-    monkeypatch.setattr(measure, "compile", counting)
+    calls = count_compiles(monkeypatch)
     opt = jaxmem.optimize(step, donate_argnums=(), verify="predicted")
     out = opt(state, x, y)
     first = len(calls)

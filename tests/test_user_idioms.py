@@ -29,6 +29,7 @@ from flax.training import train_state
 
 import jaxmem
 from jaxmem import measure
+from tests._compiles import count_compiles
 
 RTOL = 2e-5  # docs/testing.md: 2e-5 of each leaf's scale in f32
 
@@ -162,17 +163,7 @@ def _close(got, want):
         np.testing.assert_allclose(g, w, rtol=0, atol=RTOL * scale)
 
 
-def _count_compiles(monkeypatch):
-    """Count jaxmem's compiles (every candidate, the plain step, the checked plan)."""
-    calls = []
-    real = measure.compile
-
-    def counting(lowered, options=None):
-        calls.append(1)
-        return real(lowered, options)
-
-    monkeypatch.setattr(measure, "compile", counting)
-    return calls
+_count_compiles = count_compiles
 
 
 IDIOMS = ["trainstate_mlp", "trainstate_bn_shard_map"]
