@@ -104,6 +104,7 @@ def test_a_first_plan_above_the_plain_prediction_waits_for_verification(monkeypa
     assert entry.plan.compiled is not None
 
 
-def test_verify_must_be_true_false_background_or_all():
-    with pytest.raises(ValueError, match="verify must be True, False, 'background' or 'all'"):
+def test_verify_must_be_true_false_background_all_or_predicted():
+    with pytest.raises(ValueError, match="verify must be True, False, 'background', 'all' or "
+                                         "'predicted'"):
         jaxmem.optimize(step, verify="later")
