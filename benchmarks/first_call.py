@@ -24,6 +24,9 @@ events, every compile JAX or jaxmem asks for, with their seconds) and of
 ``jaxmem.xla.measure.compile`` calls (jaxmem's own: the candidates, the budget search, the
 winner compiled in full).
 
+``--model corpus:NAME`` times an entry of :mod:`benchmarks.external.corpus` (another
+project's train step, ``step(state, batch)``) instead of a zoo model.
+
 Run:  python -m benchmarks.first_call [--model transformer] [--size bench] [--repeat 1]
       [--modes plain,cold,warm,budget,background,predicted]
 Writes benchmarks/results/first_call.json and .md (``first_call-<model>-<size>.*`` for
@@ -63,7 +66,13 @@ def counted(*a, **k):  # the compiles jaxmem asks for (candidates, budget search
     calls["n"] += 1
     return _compile(*a, **k)
 measure.compile = counted
-w = zoo.make(model, size=size)
+if model.startswith("corpus:"):  # another project's train step (benchmarks.external.corpus)
+    from types import SimpleNamespace
+    from benchmarks.external import corpus
+    e = corpus.make(model.split(":", 1)[1], size)
+    w = SimpleNamespace(step=e.make_step(), state=e.state, batch=e.batch)
+else:
+    w = zoo.make(model, size=size)
 jax.block_until_ready((w.state, w.batch))
 rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 n0, s0 = xla["n"], xla["s"]
@@ -134,10 +143,11 @@ def main(argv: list[str] | None = None) -> dict:
                 with tempfile.TemporaryDirectory() as d:
                     runs[m].append(_run(m, args.model, args.size, d, args.budget))
     result = _summary(args, runs, load)
+    name = args.model.replace(":", "-")  # corpus:NAME -> a file name
     suffix = "" if args.size == "bench" and args.model == "transformer" else \
-        f"-{args.model}-{args.size}"
+        f"-{name}-{args.size}"
     if modes != list(MODES):  # a subset: a file of its own
-        suffix = f"-{args.model}-{args.size}-{'-'.join(modes)}-{args.budget:g}"
+        suffix = f"-{name}-{args.size}-{'-'.join(modes)}-{args.budget:g}"
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"first_call{suffix}.json").write_text(json.dumps(result, indent=2) + "\n")
     md = _markdown(result)
