@@ -46,3 +46,38 @@ def test_first_block_kept_saves_flops_not_peak():
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=1e-6)
     # nothing re-created: nothing to keep
     assert first_block_kept(analysis, plan_none(analysis)).recompute == frozenset()
+
+
+def test_the_lowest_depth_is_also_tried_with_its_light_layers_unjoined():
+    """best_block_plan compiles the lowest depth's other grouping (each light layer's
+    output a boundary of its own) and keeps it when it fits with fewer FLOPs."""
+    import jax.numpy as jnp
+
+    from jaxmem.planning.budget.fallbacks import best_block_plan
+    from jaxmem.xla.measure import Figures
+
+    def loss(ws, x):  # each block a matmul, then a light-only scope (a norm) before the next
+        for i, w in enumerate(ws):
+            with jax.named_scope(f"block{i}"):
+                x = jnp.tanh(x @ w)
+            with jax.named_scope(f"norm{i}"):
+                x = (x - x.mean(-1, keepdims=True)) * jax.lax.rsqrt(x.var(-1, keepdims=True)
+                                                                     + 1e-5)
+        return jnp.sum(x ** 2)
+
+    def step(ws, x):
+        return jax.grad(loss)(ws, x)
+
+    ws = [jax.random.normal(jax.random.PRNGKey(i), (16, 16)) * 0.3 for i in range(4)]
+    analysis = from_program(jaxmem.trace(step, ws, jnp.ones((64, 16))))
+    assert plan_blocks(analysis, 1, join_light=False).keep != plan_blocks(analysis, 1).keep
+    compiled = []
+
+    def compile_plan(p):  # synthetic figures: only the unjoined grouping fits the budget
+        compiled.append(p.strategy)
+        peak = 100 if "light unjoined" in p.strategy else 200
+        return Figures(argument=peak, output=0, temp=0, alias=0, flops=p.recompute_flops)
+
+    found = best_block_plan(analysis, 150, compile_plan)
+    assert any("light unjoined" in s for s in compiled), compiled
+    assert found.plan is not None and "light unjoined" in found.plan.strategy
