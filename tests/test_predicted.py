@@ -58,7 +58,7 @@ def _run(monkeypatch, compiled: dict[str, int], plain_predicted: int = 100,
 
     monkeypatch.setattr(predicted, "_compiled", compile_one)
     monkeypatch.setattr(predicted, "_plain", compile_plain)
-    monkeypatch.setattr(predicted, "_kept", lambda plan, fig, base, tried, check, a: (
+    monkeypatch.setattr(predicted, "_kept", lambda plan, fig, base, tried, check: (
         plan.strategy, base is not None, check))
     monkeypatch.setattr(predicted, "_plain_kept", lambda plan, a, base, tried: (
         ("plain", base[0].peak), base[1]))

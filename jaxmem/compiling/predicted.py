@@ -15,7 +15,9 @@ first that passes runs:
 - otherwise below the plain step's **compiled** peak (the plain step is compiled once,
   in full, when the first candidate needs it).
 
-At most :data:`~jaxmem.compiling.choose.TOP` candidates are compiled; when none passes,
+The candidates compiled are those :func:`.choose.ranked` would compile first (the
+:data:`~jaxmem.compiling.choose.TOP` best predicted, and every one tied with the last of
+them, so more than ``TOP`` where many tie); when none passes,
 the plain step runs (compiled already), with a warning and a note, as with ``verify=True``.
 The built-in candidates (``jax.checkpoint(policy=dots_saveable)`` around the loss and its
 blocks) are not compiled: this mode does not promise to be at or below them; ``True``
@@ -68,34 +70,33 @@ def predicted(plan: Plan, analysis: Analysis, step: Step, options: Options
             return _kept(c.plan, fig, None, tried, (
                 f"checked against the plain step's predicted peak "
                 f"{fmt_bytes(plain_pred)}: more than {bound:.0%} below it (the cost "
-                "model's error bound on this target), so the plain step was not compiled"),
-                analysis), exe
+                "model's error bound on this target), so the plain step was not compiled"
+                )), exe
         if base is None:
             base = _plain(step)
         if fig.peak < base[0].peak:
             return _kept(c.plan, fig, base[0], tried, (
                 f"checked against the plain step's compiled peak "
-                f"{fmt_bytes(base[0].peak)}"), analysis), exe
+                f"{fmt_bytes(base[0].peak)}")), exe
     if base is None:
         base = _plain(step)
     return _plain_kept(plan, analysis, base, tried)
 
 
 def _tied(pred: list[int], top: int) -> list[list[int]]:
-    """Candidate indices by predicted peak, lowest first, in groups of equal prediction
-    (plans that drop the same values tie in the model, which does not see how a plan
-    groups its re-creation: the compiler tells them apart, so a group is compiled
-    together), until ``top`` candidates are in."""
-    order = sorted(range(len(pred)), key=lambda i: (pred[i], i))
-    groups: list[list[int]] = []
-    for i in order:
-        if sum(map(len, groups)) >= top and (not groups or pred[i] != pred[groups[-1][0]]):
-            break
-        if groups and pred[i] == pred[groups[-1][0]]:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return groups
+    """The candidates :func:`.choose.ranked` compiles first (the ``top`` lowest predicted
+    peaks, with every one tied with the last of them), lowest first, in groups of equal
+    prediction (plans that drop the same values tie in the model, which does not see how
+    a plan groups its re-creation: the compiler tells them apart, so a group is compiled
+    together)."""
+    if not pred:
+        return []
+    cut = sorted(pred)[min(top, len(pred)) - 1]
+    groups: dict[int, list[int]] = {}
+    for i in sorted(range(len(pred)), key=lambda i: (pred[i], i)):
+        if pred[i] <= cut:
+            groups.setdefault(pred[i], []).append(i)
+    return list(groups.values())
 
 
 def _compiled(cands: list[Candidate], step: Step) -> tuple[list[Figures], list[Any]]:
@@ -111,11 +112,12 @@ def _plain(step: Step) -> tuple[Figures, Any]:
     return read(exe, step.plain, step.flat), exe
 
 
-def _kept(plan: Plan, fig: Figures, base: Figures | None, tried: list[str], check: str,
-          analysis: Analysis) -> Plan:
+def _kept(plan: Plan, fig: Figures, base: Figures | None, tried: list[str], check: str
+          ) -> Plan:
     """``plan`` with its compiled figures (``base``: the plain step's, when compiled) and
-    the notes of what was compiled."""
-    if not plan.strategy.startswith("auto"):
+    the notes of what was compiled; named ``auto: ...`` as :func:`.choose.verified` names
+    its winner."""
+    if plan.strategy != "auto" and not plan.strategy.startswith("auto: "):
         plan = dataclasses.replace(plan, strategy=f"auto: {plan.strategy}")
     note = (f"verify='predicted': compiled {len(tried)} candidate plan(s) for "
             f"{fig.platform or 'cpu'}, best predicted first ({'; '.join(tried)}); kept the "
