@@ -55,9 +55,8 @@ class _Compiles:
 
     def __init__(self, step: Step) -> None:
         self.step = step
-        self.exes: dict[Any, Any] = {}
-        self.figures: dict[Any, Figures] = {}
-        self._plain: Figures | None = None
+        self.kept: dict[Any, tuple[Any, Figures]] = {}  # rewrite key -> (executable, figures)
+        self._plain: tuple[Any, Figures] | None = None
 
     def plan(self, p: Plan) -> Figures:
         jitted = self.step.rewrite(p)
@@ -67,11 +66,10 @@ class _Compiles:
             _check_size(traced.jaxpr, len(self.step.program.nodes))
         exe = measure.compile(traced.lower())
         fig = read(exe, jitted, self.step.flat)
-        if not any(_beats(f, fig) for k, f in self.figures.items() if k != key):
-            self.exes[key], self.figures[key] = exe, fig
-            for k in [k for k, f in self.figures.items() if k != key and _beats(fig, f)]:
-                self.exes.pop(k, None)
-                self.figures.pop(k, None)
+        others = {k: f for k, (_, f) in self.kept.items() if k != key}
+        if not any(_beats(f, fig) for f in others.values()):
+            self.kept = {k: v for k, v in self.kept.items() if not _beats(fig, v[1])}
+            self.kept[key] = (exe, fig)
         return fig
 
     def plain(self) -> Figures:
@@ -79,13 +77,15 @@ class _Compiles:
         # (the state-offload path runs up to two searches and reads the plain peak too).
         if self._plain is None:
             plain, flat = self.step.plain, self.step.flat
-            exe = self.exes[None] = measure.compile(plain.lower(*flat))
-            self._plain = read(exe, plain, flat)
-        return self._plain
+            exe = measure.compile(plain.lower(*flat))
+            self._plain = (exe, read(exe, plain, flat))
+        return self._plain[1]
 
     def exe_for(self, p: Plan) -> Any:
         """The executable compiled for ``p`` (the plain step's when it drops nothing)."""
-        return self.exes.get(rewrite_key(p) if p.recompute or p.offload else None)
+        if p.recompute or p.offload:
+            return self.kept.get(rewrite_key(p), (None,))[0]
+        return self._plain[0] if self._plain is not None else None
 
 
 #: The most equations a budget search's own plan (greedy, exact) may have, as a multiple
