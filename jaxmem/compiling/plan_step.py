@@ -16,6 +16,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from jaxmem import _jax
 from jaxmem.analyzing.analysis import Analysis
 from jaxmem.analyzing.losses import logits_notes
 from jaxmem.analyzing.tags import offload_tagged
@@ -112,14 +113,7 @@ def _check_size(jaxpr: Any, step_equations: int) -> None:
 
 def _equations(jaxpr: Any) -> int:
     """Equations of ``jaxpr``, those of its sub-jaxprs (loop and remat bodies) included."""
-    n = 0
-    for eqn in jaxpr.eqns:
-        n += 1
-        for v in eqn.params.values():
-            sub = getattr(v, "jaxpr", v)
-            if hasattr(sub, "eqns"):
-                n += _equations(sub)
-    return n
+    return sum(1 + sum(map(_equations, _jax.sub_jaxprs(eqn))) for eqn in jaxpr.eqns)
 
 
 def _beats(a: Figures, b: Figures) -> bool:
