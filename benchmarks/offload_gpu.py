@@ -1,6 +1,6 @@
 """Host offload on a real GPU: ``python benchmarks/offload_gpu.py [--depth 16] [--out DIR]``.
 
-Runs a residual MLP train step (wide hidden layers, so the residuals dominate) five ways, each
+Runs a residual MLP train step (wide hidden layers, so the residuals dominate) six ways, each
 in its own subprocess so that ``memory_stats()['peak_bytes_in_use']`` is that variant's own
 peak:
 
@@ -10,15 +10,18 @@ peak:
   model says hide under compute), prefetching one backward region early (the default);
 - ``offload_noprefetch``: the same plan rewritten with ``prefetch=False`` (fetched in the
   region that reads it);
-- ``tagged``: every block's hidden activation tagged with ``jaxmem.offload_name``.
+- ``tagged``: every block's hidden activation tagged with ``jaxmem.offload_name``;
+- ``tagged_unsettled``: the same plan rewritten with ``settle_host=False`` (host copies not
+  tied into the forward pass, :mod:`jaxmem.rewriting.settle`), to see what settling buys.
 
-Per variant: real peak (``peak_bytes_in_use``), compiled figures (``memory_analysis``, with
-``host_temp_size_in_bytes``), the number of ``pinned_host`` placements in the lowered text,
-median step time, and the cost model's predicted round-trip and exposed transfer time on the
-detected profile. Overlap evidence: the measured step-time difference ``offload - auto``
-against the full round-trip time ``2 x bytes / host bandwidth``; a difference well under the
-round trip means the copies ran under compute. Writes ``offload_gpu.json`` and ``.md`` under
-``--out`` (default ``results/offload_gpu``).
+Per variant: real peak (``peak_bytes_in_use``; marked "(compile)" where compiling, which
+autotunes on the device, reached it before the steps ran), compiled figures
+(``memory_analysis``, with ``host_temp_size_in_bytes``), the number of ``pinned_host``
+placements in the lowered text, median step time, and the cost model's predicted round-trip
+and exposed transfer time on the detected profile. Overlap evidence: the measured step-time
+difference ``offload - auto`` against the full round-trip time ``2 x bytes / host
+bandwidth``; a difference well under the round trip means the copies ran under compute.
+Writes ``offload_gpu.json`` and ``.md`` under ``--out`` (default ``results/offload_gpu``).
 
 Exits 0 with a message when there is no GPU. Uses only public JAX API plus jaxmem, so it runs
 unchanged on jax 0.10 and 0.11.
@@ -36,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-VARIANTS = ("plain", "auto", "offload", "offload_noprefetch", "tagged")
+VARIANTS = ("plain", "auto", "offload", "offload_noprefetch", "tagged", "tagged_unsettled")
 
 
 def _gpu() -> bool:
@@ -85,7 +88,7 @@ def run_variant(name: str, depth: int, batch: int, width: int, hidden: int,
     import jaxmem
     from jaxmem.planning.budget import CostModel
 
-    step, args = _workload(depth, batch, width, hidden, tag=(name == "tagged"))
+    step, args = _workload(depth, batch, width, hidden, tag=name.startswith("tagged"))
     out: dict[str, Any] = dict(variant=name, jax=jax.__version__,
                                device=jax.devices()[0].device_kind)
     plan = None
@@ -95,14 +98,17 @@ def run_variant(name: str, depth: int, batch: int, width: int, hidden: int,
     else:
         opt = jaxmem.optimize(step, offload=name in ("offload",), donate_argnums=())
         plan = opt.plan(*args)
-        if name == "offload_noprefetch":
-            opt = jaxmem.optimize(step, offload=True, donate_argnums=())
-            plan = opt.plan(*args)
+        if name in ("offload_noprefetch", "tagged_unsettled"):
+            if name == "offload_noprefetch":
+                opt = jaxmem.optimize(step, offload=True, donate_argnums=())
+                plan = opt.plan(*args)
             from jaxmem.rewriting.rewrite import rewrite
 
             prog = opt.analysis(*args).program
             res = frozenset(r.value for r in opt.analysis(*args).residuals)
-            raw = jax.jit(rewrite(prog, plan.recompute, plan.offload, res, prefetch=False))
+            raw = jax.jit(rewrite(prog, plan.recompute, plan.offload, res,
+                                  prefetch=name != "offload_noprefetch",
+                                  settle_host=name != "tagged_unsettled"))
             flat = jax.tree.leaves(args)
             fn = lambda *a: raw(*jax.tree.leaves(a))  # noqa: E731
             lowered = raw.lower(*flat)
@@ -123,6 +129,9 @@ def run_variant(name: str, depth: int, batch: int, width: int, hidden: int,
     out["pinned_host_placements"] = text.count('_xla_buffer_placement = "pinned_host"')
     f = figures(lowered.compile())
     out.update(compiled_peak=f.peak, host_temp=f.host_temp, flops=f.flops)
+    jax.block_until_ready(args)
+    # compiling (autotuning) allocates too: the run's own peak is known only if it is higher
+    out["peak_before_run"] = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
     res = fn(*args)
     jax.block_until_ready(res)
     times = []
@@ -187,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         pk = r.get("peak_bytes_in_use")
         lines.append(
-            f"| {r['variant']} | {pk / gib:.2f} | {r['compiled_peak'] / gib:.2f} | "
+            f"| {r['variant']} | {pk / gib:.2f}"
+            f"{' (compile)' if pk == r.get('peak_before_run') else ''} | "
+            f"{r['compiled_peak'] / gib:.2f} | "
             f"{r['host_temp'] / gib:.2f} | {r['pinned_host_placements']} | {r['step_ms']:.2f} | "
             f"{r.get('offload_bytes', 0) / gib:.2f} | {r.get('pred_roundtrip_ms', 0):.2f} | "
             f"{r.get('pred_exposed_transfer_ms', 0):.2f} |" if pk is not None else
