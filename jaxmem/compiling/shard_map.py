@@ -104,6 +104,16 @@ def _compiled(eqn: Any, body: Callable[..., Any], args: Sequence[Any]) -> Figure
     return measure.compiled_figures(exe, jitted, args, platform=platform)
 
 
+def _apply(eqn: Any, program: Program, plan: Plan) -> Callable[..., list[Any]]:
+    """The rewrite of ``plan`` for the mesh's platform (its accelerator orderings,
+    :class:`jaxmem.compiling.steps.Step.rewrite`, where the mesh's devices are not CPUs)."""
+    devices = getattr(eqn.params["mesh"], "devices", None)
+    platform = str(getattr(devices.flat[0], "platform", "cpu")) if devices is not None \
+        else jax.default_backend()
+    accelerator = platform != "cpu"
+    return apply(program, plan, settle_host=accelerator, fence_gradients=accelerator)
+
+
 def _profile(eqn: Any) -> DeviceProfile:
     """The device profile preset of the mesh's devices (``cpu`` where unknown)."""
     devices = getattr(eqn.params["mesh"], "devices", None)
@@ -174,7 +184,7 @@ class BodyPlanner:
         if not cands:
             return None
         if not self.verify:
-            return self._chosen(program, cands[0], None, None)
+            return self._chosen(eqn, program, cands[0], None, None)
         if not isinstance(eqn.params["mesh"], jax.sharding.Mesh):
             warnings.warn("jaxmem.optimize: a shard_map body on an abstract mesh was kept "
                           "whole (its plans cannot be compiled to check them); pass a "
@@ -183,10 +193,10 @@ class BodyPlanner:
         args = _abstract_args(eqn)
         base = _compiled(eqn, _jax.jaxpr_fun(program.jaxpr), args)
         first, rest = ranked(cands, analysis, plan_of=lambda p: p)  # as verify does
-        figs = [_compiled(eqn, apply(program, plan), args) for plan in first]
+        figs = [_compiled(eqn, _apply(eqn, program, plan), args) for plan in first]
         if rest and min(f.peak for f in figs) >= base.peak:  # none below: the others too
             first += rest
-            figs += [_compiled(eqn, apply(program, plan), args) for plan in rest]
+            figs += [_compiled(eqn, _apply(eqn, program, plan), args) for plan in rest]
         i = lowest(figs)
         best = (first[i], figs[i])
         if best[1].peak >= base.peak:
@@ -195,9 +205,9 @@ class BodyPlanner:
                 notes=(f"no plan's per-device peak was below the plain body's "
                        f"{fmt_bytes(base.peak)}: the body is kept as it is",)))
             return None
-        return self._chosen(program, best[0], best[1], base)
+        return self._chosen(eqn, program, best[0], best[1], base)
 
-    def _chosen(self, program: Program, plan: Plan, fig: Figures | None,
+    def _chosen(self, eqn: Any, program: Program, plan: Plan, fig: Figures | None,
                 base: Figures | None) -> Callable[..., Any]:
         note = ("per device: " + (f"{fmt_bytes(base.peak)} -> {fmt_bytes(fig.peak)} compiled"
                                   if fig is not None else "not compiled (verify=False)"))
@@ -209,7 +219,7 @@ class BodyPlanner:
         self.plans.append(dataclasses.replace(
             plan, strategy=f"shard_map body: {plan.strategy}", notes=plan.notes + (note,),
             compiled=fig, baseline=base))
-        return apply(program, plan)
+        return _apply(eqn, program, plan)
 
 
 def _rewrite_jaxpr(jaxpr: Any, plan_body: Callable[[Any], Any]) -> tuple[Any, bool]:

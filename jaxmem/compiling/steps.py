@@ -43,7 +43,13 @@ class Step:
 
     def rewrite(self, plan: Plan) -> Any:
         """``jax.jit`` of the joint-jaxpr rewrite of ``plan``, with the step's donation."""
-        return jax.jit(apply(self.program, plan), donate_argnums=self.donate_flat,
+        # host copies are tied into the forward pass, and finished gradients into the next
+        # backward run, only for the accelerators' schedulers (XLA:CPU strips host placement
+        # and keeps the program's order: there the ties would only add barriers)
+        accelerator = self.platform != "cpu"
+        return jax.jit(apply(self.program, plan, settle_host=accelerator,
+                             fence_gradients=accelerator),
+                       donate_argnums=self.donate_flat,
                        **self.jit_kwargs)
 
     def loss(self, policy: str, per_block: bool = False) -> tuple[Any, list[str]]:

@@ -1,0 +1,181 @@
+"""Offloads that free device memory on XLA:GPU: host copies settled into the forward pass.
+
+Part of the fourth box (the rewrite, :mod:`jaxmem.rewriting.rewrite`). Nothing reads a host
+copy before the backward pass, and XLA:GPU's scheduler then issues its device-to-host copy
+as late as it can, just before the copy back: the device buffer stays live through the
+forward pass and the offload frees nothing. Measured on the H100 target (compile-only),
+eight 32 MiB activations offloaded by hand with their copies back prefetched: 288 MiB of
+temporaries and 64 MiB on the host untied, 64 MiB and 256 MiB with each host copy tied into
+the next layer's inputs. A block plan of a GPT-2-style step with one boundary offloaded
+compiled 9.5 MiB above the same plan keeping it; the loss value, which nothing waits for,
+was computed half-way through the backward pass and kept the logits live. So:
+
+- :func:`settle_copies`: each host copy passes an ``optimization_barrier`` with the inputs
+  of the first node of a later forward region (or of the backward pass), so the copy is
+  issued by then and overlaps the rest of its own region;
+- :func:`settle_outputs`: the step outputs the forward pass makes pass a barrier with the
+  first backward node's inputs, so their operands die with the forward pass.
+
+Inputs XLA would re-derive in place (constants, constant-derived values) are never tied (a
+barrier operand is materialised); a node with no other inputs leaves the tie to the next.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jax import lax
+
+from jaxmem.analyzing.chains import backward_regions
+from jaxmem.tracing.primitives import CHEAP
+from jaxmem.tracing.program import Node, Program, region_of
+
+__all__ = ["Orderings", "fence_finished", "finished_values", "settle_copies",
+           "settle_outputs"]
+
+
+def settle_copies(program: Program, n: Node, ins: list[Any], host: dict[int, Any],
+                  pending: list[tuple[int, tuple[str, str]]], depth: int | None
+                  ) -> list[Any]:
+    """``ins`` of ``n`` tied to the host copies in ``pending`` (value, region made in) made
+    in another region than ``n``'s, or all of them once ``n`` is past the forward pass;
+    those leave ``pending`` and ``host`` holds their tied copies."""
+    here = region_of(n, depth)
+    due = [v for v, r in pending if r != here or n.phase != "forward"]
+    ins, tied = _tie(program, n, ins, [host[v] for v in due])
+    if tied is not None:
+        host.update(zip(due, tied, strict=True))
+        pending[:] = [(v, r) for v, r in pending if v not in set(due)]
+    return ins
+
+
+def settle_outputs(program: Program, n: Node, ins: list[Any], env: dict[int, Any],
+                   unsettled: list[int]) -> list[Any]:
+    """``ins`` of ``n`` (a backward node) tied to the forward-made step outputs in
+    ``unsettled``; ``env`` then holds their tied values (what the step returns)."""
+    outs = [v for v in unsettled if v in env]
+    ins, tied = _tie(program, n, ins, [env[v] for v in outs])
+    if tied is not None:
+        env.update(zip(outs, tied, strict=True))
+        unsettled.clear()
+    return ins
+
+
+class Orderings:
+    """The ties of this module for one program, applied node by node as the rewrite replays
+    it (:class:`jaxmem.rewriting.rewrite._Replay`): :meth:`fresh` for each trace, then
+    :meth:`_Trace.inputs` before a node is emitted and :meth:`_Trace.made` after."""
+
+    def __init__(self, program: Program, offload: frozenset[int], depth: int | None, *,
+                 settle_host: bool, fence_gradients: bool) -> None:
+        self.program, self.offload, self.depth = program, offload, depth
+        self.settle_host = settle_host
+        # step outputs the forward pass makes (the loss): settled before the backward pass
+        self.forward_outputs = () if not settle_host else tuple(dict.fromkeys(
+            v for v in program.outputs
+            if (u := program.values[v].producer) is not None
+            and program.nodes[u].phase == "forward" and v not in program.constant_derived))
+        self.finished = finished_values(program) if fence_gradients else frozenset()
+        self.run_of = {} if not self.finished else {
+            i: k for k, r in enumerate(backward_regions(program, None, depth)) for i in r}
+
+    def fresh(self) -> _Trace:
+        """The state of one trace of the rewrite: nothing pending yet."""
+        return _Trace(self, unsettled=list(self.forward_outputs))
+
+
+@dataclasses.dataclass
+class _Trace:
+    """What one trace has made and not yet tied."""
+
+    orderings: Orderings
+    unsettled: list[int]  # step outputs the forward pass makes, not yet settled
+    pending: list[tuple[int, tuple[str, str]]] = dataclasses.field(default_factory=list)
+    done: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (value, run)
+
+    def inputs(self, n: Node, ins: list[Any], env: dict[int, Any],
+               host: dict[int, Any]) -> list[Any]:
+        """``n``'s inputs with whatever is due tied to them (``env`` and ``host`` then hold
+        the tied step outputs and host copies)."""
+        o = self.orderings
+        if self.pending:
+            ins = settle_copies(o.program, n, ins, host, self.pending, o.depth)
+        if n.phase == "backward" and self.unsettled:
+            ins = settle_outputs(o.program, n, ins, env, self.unsettled)
+        if n.phase == "backward" and self.done:
+            ins = fence_finished(o.program, n, ins, env, self.done, o.run_of[n.index])
+        return ins
+
+    def made(self, n: Node) -> None:
+        """Note ``n``'s outputs that a later node must be tied to."""
+        o = self.orderings
+        if o.settle_host:
+            self.pending += [(v, region_of(n, o.depth)) for v in n.outputs if v in o.offload]
+        if n.phase == "backward" and o.finished:
+            self.done += [(v, o.run_of[n.index]) for v in n.outputs if v in o.finished]
+
+
+def finished_values(program: Program) -> frozenset[int]:
+    """Backward values off the backward pass's own path, each where XLA materialises it.
+
+    A backward value is off the path when nothing in the backward pass reads it except
+    cheap nodes whose outputs are off the path too: a weight gradient and the reshapes,
+    transposes and sums that carry it to the update. Of those, the ones made by a node XLA
+    materialises anyway (a matmul or convolution, a reduction: the weight and bias
+    gradients themselves) are returned; the cheap tail after them is left out, so that XLA
+    can still fuse it into the update (a barrier operand is materialised: tying the tail
+    would store every gradient once more).
+    """
+    off: set[int] = set()
+    for n in reversed(program.nodes):
+        if n.phase != "backward":
+            continue
+        for o in n.outputs:
+            if o in program.constant_derived:
+                continue
+            readers = [program.nodes[u] for u in program.users.get(o, ())]
+            if all(m.phase != "backward" or (m.kind in CHEAP and all(x in off for x in m.outputs))
+                   for m in readers):
+                off.add(o)
+    return frozenset(
+        o for o in off
+        if (n := program.nodes[program.values[o].producer]).kind not in CHEAP
+        or n.primitive.startswith("reduce_"))
+
+
+def fence_finished(program: Program, n: Node, ins: list[Any], env: dict[int, Any],
+                   done: list[tuple[int, int]], run: int) -> list[Any]:
+    """``ins`` of ``n`` (a node of backward run ``run``) tied to the finished backward values
+    in ``done`` (value, run it was made in) that earlier runs made: values nothing later in
+    the backward pass reads (weight gradients on their way to the update). Those leave
+    ``done``; a node with nothing to tie them to (a broadcast constant) leaves them to the
+    next.
+
+    XLA:GPU's latency-hiding scheduler fills an async copy's window with whatever work is
+    ready, and work nothing waits for is ready from the moment it can run until the end:
+    with one host copy in a block plan it moved the weight gradients of the blocks before
+    into the window of the copy back, keeping the cotangents they read live until then (zoo
+    GPT, 8 layers, H100 target: one 2 MiB boundary offloaded took the plan from 255.5 MiB
+    to 354.4 MiB). Tied to the next run's start, each gradient is made within its run.
+    """
+    due = [v for v, r in done if r < run and v in env]
+    ins, tied = _tie(program, n, ins, [env[v] for v in due])
+    if tied is not None:
+        done[:] = [(v, r) for v, r in done if r >= run]
+    return ins
+
+
+def _tie(program: Program, n: Node, ins: list[Any], extra: list[Any]
+         ) -> tuple[list[Any], list[Any] | None]:
+    """``n``'s inputs and ``extra`` through one barrier: (new inputs, tied extra), or
+    (``ins``, None) when there is nothing to tie or no input to tie it to."""
+    keep = [k for k, v in enumerate(n.inputs) if v not in program.constant_derived
+            and not program.values[v].is_const]
+    if not extra or not keep:
+        return ins, None
+    tied_ins, tied = lax.optimization_barrier(([ins[k] for k in keep], list(extra)))
+    out = list(ins)
+    for k, x in zip(keep, tied_ins, strict=True):
+        out[k] = x
+    return out, tied

@@ -1,0 +1,130 @@
+"""Orderings for the accelerators' schedulers (jaxmem.rewriting.settle).
+
+XLA:GPU's and XLA:TPU's schedulers move work that nothing waits for as late as they may:
+weight gradients, read only by the update at the end of the step, were computed blocks
+later than their cotangents, which stayed live meanwhile. The rewrite fences them into
+the next backward run (``fence_gradients``), and ties host copies into the forward pass
+(``settle_host``). These tests check which values are fenced, that the values do not
+change, and that a block plan compiled for the H100 target drops with the fence to at
+most what ``jax.checkpoint(block, policy=nothing_saveable)`` per block reaches.
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import pytest
+from jaxmem.program import trace
+from test_rewrite_inputs import _args, _step
+
+import jaxmem
+from benchmarks import zoo
+from jaxmem.planning.block_plans import block_offload_candidates, plan_blocks
+from jaxmem.rewriting.rewrite import apply
+from jaxmem.rewriting.settle import finished_values
+from jaxmem.xla import measure
+
+
+def _barriers(fn, flat):
+    return sum(e.primitive.name == "optimization_barrier"
+               for e in jax.make_jaxpr(fn)(*flat).jaxpr.eqns)
+
+
+def test_finished_values_are_the_gradients_where_xla_makes_them():
+    """The weight gradients' matmuls and the bias gradients' sums: backward values that
+    nothing later in the backward pass reads; not the cheap tail that carries them to the
+    update (XLA fuses it into the update), and nothing of the forward pass."""
+    prog = trace(_step, *_args())
+    fin = finished_values(prog)
+    made_by = [prog.nodes[prog.values[v].producer] for v in fin]
+    assert sorted(n.primitive for n in made_by if n.primitive == "dot_general") \
+        == ["dot_general"] * 3  # one weight gradient per layer
+    assert all(n.phase == "backward" for n in made_by)
+    assert all(n.primitive == "dot_general" or n.primitive.startswith("reduce_")
+               for n in made_by)
+    for v in fin:  # nothing in the backward pass but the cheap tail reads them
+        assert all(prog.nodes[u].phase != "backward" or prog.nodes[u].kind in ("utility", "free")
+                   for u in prog.users.get(v, ()))
+
+
+def test_fenced_settled_rewrite_gives_jits_values():
+    """A block plan of the zoo GPT with its boundaries offloaded, both orderings forced on
+    (on CPU, where they are off by default): the rewrite holds more barriers, and returns
+    what ``jax.jit`` of the step returns (docs/testing.md's tolerance: ``2e-5`` of each
+    leaf's largest value)."""
+    w = zoo.make("transformer", size="test")
+    analysis = jaxmem.analyze(w.step, *w.args)
+    prog = analysis.program
+    plan = plan_blocks(analysis, 2, offload=block_offload_candidates(analysis, 2))
+    flat = jax.tree.leaves(tuple(w.args))
+    plain = apply(prog, plan, fence_gradients=False, settle_host=False)
+    ordered = apply(prog, plan, fence_gradients=True, settle_host=True)
+    assert _barriers(ordered, flat) > _barriers(plain, flat)
+    want = jax.tree.leaves(jax.jit(w.step)(*w.args))
+    got = jax.jit(ordered)(*flat)
+    for a, b in zip(got, want, strict=True):
+        if jnp.issubdtype(b.dtype, jax.dtypes.prng_key):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        scale = float(jnp.max(jnp.abs(b))) if jnp.issubdtype(b.dtype, jnp.floating) else 0.0
+        chex.assert_trees_all_close(a, b, atol=2e-5 * scale, rtol=0)
+
+
+# A GPT-2-style step small enough to compile for the H100 target in seconds, large enough
+# that its activations, not its weights, set the peak.
+SMALL_GPT = dict(layers=4, batch=4, seq=64, d_model=64, heads=2)
+
+
+@pytest.fixture(scope="module")
+def h100_gpt():
+    target = jaxmem.targets.get("h100")
+    w = zoo.make("transformer", size="test", abstract=True, **SMALL_GPT)
+    args = target.place(tuple(w.args))
+    analysis = jaxmem.analyze(w.step, *args)
+    flat = jax.tree.leaves(args)
+    donated = tuple(range(len(jax.tree.leaves(args[0]))))
+
+    def peak(fn):
+        lowered = jax.jit(fn, donate_argnums=donated).lower(*flat)
+        return measure.figures(measure.compile(lowered)).peak
+
+    return target, analysis, peak
+
+
+def test_fence_takes_a_block_plan_to_per_block_remat_on_the_h100_target(h100_gpt):
+    """Every block re-created in the backward pass (``plan_blocks``): unfenced, XLA:GPU
+    computes the weight gradients late and the plan compiles above per-block
+    ``nothing_saveable``; fenced, at or below it."""
+    target, analysis, peak = h100_gpt
+    prog = analysis.program
+    plan = plan_blocks(analysis, 2)
+    unfenced = peak(apply(prog, plan, fence_gradients=False))
+    fenced = peak(apply(prog, plan, fence_gradients=True))
+    w = zoo.make("transformer", size="test", abstract=True,
+                 remat_policy=jax.checkpoint_policies.nothing_saveable, **SMALL_GPT)
+    builtin = measure.figures(measure.compile(
+        jax.jit(w.step, donate_argnums=0).lower(*target.place(tuple(w.args))))).peak
+    assert fenced < 0.9 * unfenced
+    assert fenced <= builtin
+
+
+def test_settled_host_copies_stay_in_host_memory_on_the_h100_target(h100_gpt):
+    """A block plan with its boundaries offloaded. Unsettled, nothing reads a host copy
+    before the backward pass, and XLA:GPU keeps some of the boundaries on the device (host
+    temporaries below the offloaded bytes); settled into the forward pass, every offloaded
+    boundary is in host memory."""
+    target, analysis, _ = h100_gpt
+    prog = analysis.program
+    off = block_offload_candidates(analysis, 2)
+    plan = plan_blocks(analysis, 2, offload=off)
+    w = zoo.make("transformer", size="test", abstract=True, **SMALL_GPT)
+    args = target.place(tuple(w.args))
+    donated = tuple(range(len(jax.tree.leaves(args[0]))))
+
+    def host_bytes(settle):
+        fn = apply(prog, plan, settle_host=settle, fence_gradients=True)
+        lowered = jax.jit(fn, donate_argnums=donated).lower(*jax.tree.leaves(args))
+        return measure.figures(measure.compile(lowered)).host_temp
+
+    offloaded = sum(prog.values[v].nbytes for v in off)
+    assert host_bytes(True) >= offloaded > host_bytes(False)
