@@ -151,3 +151,18 @@ def test_predicted_mode_matches_jit_below_its_peak_compiling_each_program_once(
 def test_predicted_is_a_verify_option_of_its_own():
     with pytest.raises(ValueError, match="'predicted'"):
         jaxmem.optimize(lambda x: x, verify="predict")
+
+
+def test_the_steps_analysis_is_for_its_compiler_and_its_donation(mlp):
+    """The analysis a plan is made from (whose cost model ranks the candidates, and whose
+    plain-step prediction ``verify="predicted"`` may check a plan against) predicts for the
+    compiler the arguments are compiled by, with the step's donation: without it the plain
+    peak is overstated by the state the step updates in place."""
+    step, state, (x, y) = mlp
+    donated = jaxmem.optimize(step, verify=False).analysis(state, x, y)
+    undonated = jaxmem.optimize(step, donate_argnums=(), verify=False).analysis(state, x, y)
+    assert donated.platform == undonated.platform == "cpu"
+    assert donated.peak_bytes < undonated.peak_bytes
+    h100 = jaxmem.targets.get("h100").place((state, x, y))
+    on_gpu = jaxmem.optimize(step, verify=False).analysis(*h100)
+    assert on_gpu.platform == jaxmem.targets.get("h100").platform

@@ -77,13 +77,16 @@ def _traced_step(opt: Any, options: Options, fn: Callable[..., Any],
     """The step traced and analysed, offload checked, its donation decided (and the notes
     that say why an argument is not donated)."""
     traced = trace_step(opt, options, fn, sig.dyn_args, sig.kwargs)
-    analysis = from_program(traced.program)
     flat = jax.tree_util.tree_leaves((sig.dyn_args, sig.kwargs))
-    check_offload(analysis, flat, targets.platform_of(flat) or jax.default_backend(),
-                  options.offload)
-    donated = donation.decide(options.donate_argnums, sig.dyn_args, analysis.program)
+    platform = targets.platform_of(flat) or jax.default_backend()
+    donated = donation.decide(options.donate_argnums, sig.dyn_args, traced.program)
+    donate_flat = flat_donated(sig.dyn_args, donated.argnums)
+    # the cost model predicts for the compiler the step is compiled by, with its donation
+    # (the plain step's predicted peak is what verify="predicted" checks plans against)
+    analysis = from_program(traced.program, donated=donate_flat, platform=platform)
+    check_offload(analysis, flat, platform, options.offload)
     step = steps.make(traced.program, fn, (sig.dyn_args, sig.kwargs), donated.argnums,
-                      flat_donated(sig.dyn_args, donated.argnums), options.jit_kwargs)
+                      donate_flat, options.jit_kwargs)
     return traced, analysis, step, donated.notes
 
 

@@ -104,13 +104,17 @@ def _compiled(eqn: Any, body: Callable[..., Any], args: Sequence[Any]) -> Figure
     return measure.compiled_figures(exe, jitted, args, platform=platform)
 
 
+def _platform(eqn: Any) -> str:
+    """The platform of the mesh's devices (the default backend's where it names none)."""
+    devices = getattr(eqn.params["mesh"], "devices", None)
+    return str(getattr(devices.flat[0], "platform", "cpu")) if devices is not None \
+        else jax.default_backend()
+
+
 def _apply(eqn: Any, program: Program, plan: Plan) -> Callable[..., list[Any]]:
     """The rewrite of ``plan`` for the mesh's platform (its accelerator orderings,
     :class:`jaxmem.compiling.steps.Step.rewrite`, where the mesh's devices are not CPUs)."""
-    devices = getattr(eqn.params["mesh"], "devices", None)
-    platform = str(getattr(devices.flat[0], "platform", "cpu")) if devices is not None \
-        else jax.default_backend()
-    accelerator = platform != "cpu"
+    accelerator = _platform(eqn) != "cpu"
     return apply(program, plan, settle_host=accelerator, fence_gradients=accelerator)
 
 
@@ -175,7 +179,7 @@ class BodyPlanner:
 
     def __call__(self, eqn: Any) -> Callable[..., Any] | None:
         program = structure.label(from_jaxpr(_jax.closed_jaxpr(eqn.params["jaxpr"])))
-        analysis = from_program(program)
+        analysis = from_program(program, platform=_platform(eqn))
         cands = strategies.auto_candidates(
             analysis, max_recompute_fraction=self.max_recompute_fraction)
         profile = _profile(eqn)
