@@ -48,7 +48,7 @@ class Step:
         # and keeps the program's order: there the ties would only add barriers)
         accelerator = self.platform != "cpu"
         return jax.jit(apply(self.program, plan, settle_host=accelerator,
-                             fence_gradients=accelerator),
+                             fence_gradients=accelerator and not plan.unfenced),
                        donate_argnums=self.donate_flat,
                        **self.jit_kwargs)
 
@@ -120,4 +120,4 @@ def rewrite_key(plan: Plan) -> Any:
     """What the rewrite of ``plan`` depends on (:func:`jaxmem.rewriting.rewrite.apply`):
     plans equal in it compile to one program."""
     return (plan.recompute, plan.offload, plan.region_depth, plan.keep,
-            frozenset(c.residual.value for c in plan.choices))
+            frozenset(c.residual.value for c in plan.choices), plan.unfenced)

@@ -71,6 +71,10 @@ class Plan:
     # With loss_policy: each block of the loss under its own jax.checkpoint (blocks from the
     # name stack, jaxmem.rewriting.blockwise), as nn.remat around every block does.
     loss_blocks: bool = False
+    # The rewrite leaves the gradients finished in each backward run where the compiler's
+    # scheduler puts them (no fence, jaxmem.rewriting.settle.fence_finished): the budget's
+    # block fallback's last try on an accelerator (on XLA:CPU the fence changes nothing).
+    unfenced: bool = False
 
     def fingerprint(self) -> str:
         """A stable hash of what the plan makes the step do: each residual's decision (by
@@ -95,7 +99,8 @@ class Plan:
                  self.region_depth, tuple(sorted(self.keep)),
                  None if so is None else (tuple(so.inputs), tuple(so.outputs)),
                  tuple(p.fingerprint() for p in self.inner), self.loss_policy) + (
-                    ("loss_blocks",) if self.loss_blocks else ())
+                    ("loss_blocks",) if self.loss_blocks else ()) + (
+                    ("unfenced",) if self.unfenced else ())
         return hashlib.sha256(repr(parts).encode()).hexdigest()
 
     def of(self, decision: Decision) -> tuple[Choice, ...]:

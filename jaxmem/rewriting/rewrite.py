@@ -335,7 +335,8 @@ def apply(program: Program, plan: Plan, **options: Any) -> Callable[..., list[An
       plan: a :class:`~jaxmem.planning.plan.Plan` (:mod:`jaxmem.planning.strategies`,
       :mod:`jaxmem.planning.budget`).
       **options: :func:`rewrite`'s keyword options (``prefetch``, ``reuse``,
-        ``keep_narrow``, ``tie_kept``, ``substitute``, ``cut_cotangents``).
+        ``keep_narrow``, ``tie_kept``, ``substitute``, ``cut_cotangents``, ``settle_host``,
+        ``fence_gradients``; a plan marked ``unfenced`` is never fenced).
 
     Returns:
       A function of the program's flat inputs returning its flat outputs; jit it.
@@ -350,6 +351,8 @@ def apply(program: Program, plan: Plan, **options: Any) -> Callable[..., list[An
       >>> loss, g = jax.jit(fn)(*args)
     """
     chosen = frozenset(c.residual.value for c in plan.choices)
+    if plan.unfenced:
+        options = {**options, "fence_gradients": False}
     return rewrite(program, plan.recompute, plan.offload, chosen | plan.keep,
                    region_depth=plan.region_depth, **options)
 
