@@ -151,6 +151,7 @@ def test_the_budget_block_fallback_tries_its_plans_unfenced_on_an_accelerator():
     the fence makes early is live to the update: penzai's bench step), then the lowest of
     those with its first-replayed block kept; on XLA:CPU, where the fence changes nothing,
     nothing more is compiled. Synthetic compiler: unfenced plans compile lower."""
+    from jaxmem.planning.budget import outcome
     from jaxmem.planning.budget.fallbacks import best_block_plan
     from jaxmem.xla.measure import Figures
 
@@ -171,6 +172,9 @@ def test_the_budget_block_fallback_tries_its_plans_unfenced_on_an_accelerator():
         if fits:
             assert found.plan.unfenced and "unfenced" in found.plan.strategy
             assert found.figures.peak <= 150
+            basis = outcome.Basis(None, 150, 200, None, [], 0.0)
+            plan = outcome.finish_blocks(basis, found, len(compiled))
+            assert plan.unfenced and "unfenced" in plan.notes[-1]
 
 
 def test_a_plan_marked_unfenced_is_never_fenced():

@@ -104,7 +104,9 @@ def finish_blocks(basis: Basis, found: Found, compiles: int) -> Plan:
     note = (f"planned as blocks (depth {blk.region_depth}) in {_elapsed(basis, compiles)}: "
             "values crossing blocks kept, each block re-run once in the backward pass; "
             f"compiled peak {fmt_bytes(fig.peak)}, predicted recompute "
-            f"{100 * blk.recompute_flops / max(blk.baseline_flops, 1):.1f}% FLOPs")
+            f"{100 * blk.recompute_flops / max(blk.baseline_flops, 1):.1f}% FLOPs"
+            + ("; its finished gradients left to the compiler's scheduler (unfenced: no "
+               "fenced block plan fitted)" if blk.unfenced else ""))
     return dataclasses.replace(blk, strategy="budget:blocks", budget=basis.requested,
                                notes=(*basis.notes, note)).with_figures(fig, basis.base_fig)
 
