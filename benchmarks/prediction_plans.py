@@ -1,12 +1,13 @@
 """``python -m benchmarks.prediction --plans``: every candidate ``verify`` compiles, predicted.
 
-For each zoo model and target, ``jaxmem.optimize(step, donate_argnums=(0,)).plan(...)`` runs
-as it does for users (empty plan cache); :func:`jaxmem.compiling.choose.compile_candidates`
-is wrapped for the run, so the plain step and the candidates it compiles, and the figures
-``verify`` chose on, are read as they were made (what is chosen does not change). Each
-candidate gets the predictions described in :mod:`benchmarks.prediction` and a row; each
-model and target a ranking summary. Compiles one at a time (``JAXMEM_COMPILE_THREADS=1``
-unless set) so a shared machine's compile times stay comparable.
+For each zoo model (or corpus entry, ``corpus:NAME``) and target,
+``jaxmem.optimize(step, donate_argnums=(0,)).plan(...)`` runs as it does for users (empty
+plan cache); :func:`jaxmem.compiling.choose.compile_candidates` is wrapped for the run, so
+the plain step and the candidates it compiles, and the figures ``verify`` chose on, are
+read as they were made (what is chosen does not change). Each candidate gets the
+predictions described in :mod:`benchmarks.prediction` and a row; each model and target a
+ranking summary. Compiles one at a time (``JAXMEM_COMPILE_THREADS=1`` unless set) so a
+shared machine's compile times stay comparable.
 """
 
 from __future__ import annotations
@@ -34,9 +35,25 @@ from jaxmem.compiling.steps import rewrite_key
 TIE = 0.01  # compiled peaks closer than this are a tie (jaxmem.xla.measure.PEAK_TIE is 0.5%)
 
 
+def workload(name: str, size: str, target: str) -> Any:
+    """The zoo model ``name``, or the corpus entry ``corpus:NAME`` (other people's train
+    step, :mod:`benchmarks.external.corpus`) as a workload: ``args``, ``step`` and the
+    sharding its arguments are placed with on a target (None: the first device)."""
+    if not name.startswith("corpus:"):
+        return zoo.make(name, size=size, abstract=True)
+    from types import SimpleNamespace
+
+    from benchmarks.external import corpus
+
+    devices = None if target == "cpu" else jaxmem.targets.get(target).devices()
+    e = corpus.make(name.removeprefix("corpus:"), size, devices)
+    return SimpleNamespace(args=(e.state, e.batch), step=e.make_step(), sharding=e.sharding)
+
+
 def captured(w: zoo.Workload, target: str) -> dict[str, Any]:
     """``verify``'s compiles of ``w`` on ``target``: step, candidates, compiled figures."""
-    args = w.args if target == "cpu" else jaxmem.targets.place(w.args, target)
+    args = w.args if target == "cpu" else jaxmem.targets.place(
+        w.args, target, sharding=getattr(w, "sharding", None))
     seen: list[tuple[Any, Any, Any, Any]] = []
     original = choose.compile_candidates
 
@@ -133,8 +150,7 @@ def ranking(rows: list[dict[str, Any]], key: str) -> dict[str, Any] | None:
 
 def entry(name: str, size: str, target: str) -> dict[str, Any]:
     """One model on one target: its plain row, candidate rows and ranking summaries."""
-    w = zoo.make(name, size=size, abstract=True)
-    cap = captured(w, target)
+    cap = captured(workload(name, size, target), target)
     plain, rows = predictions(cap, target)
     plans = [r for r in rows if r["kind"] == "plan"]
     overall = min(r["compiled"] for r in rows)
