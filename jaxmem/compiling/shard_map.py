@@ -115,8 +115,7 @@ def _apply(eqn: Any, program: Program, plan: Plan) -> Callable[..., list[Any]]:
     """The rewrite of ``plan`` for the mesh's platform (its accelerator orderings,
     :class:`jaxmem.compiling.steps.Step.rewrite`, where the mesh's devices are not CPUs)."""
     accelerator = _platform(eqn) != "cpu"
-    return apply(program, plan, settle_host=accelerator,
-                 fence_gradients=accelerator and not plan.unfenced)
+    return apply(program, plan, settle_host=accelerator, fence_gradients=accelerator)
 
 
 def _profile(eqn: Any) -> DeviceProfile:

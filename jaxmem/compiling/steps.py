@@ -48,7 +48,7 @@ class Step:
         # and keeps the program's order: there the ties would only add barriers)
         accelerator = self.platform != "cpu"
         return jax.jit(apply(self.program, plan, settle_host=accelerator,
-                             fence_gradients=accelerator and not plan.unfenced),
+                             fence_gradients=accelerator),
                        donate_argnums=self.donate_flat,
                        **self.jit_kwargs)
 

@@ -59,6 +59,33 @@ class Found:
     time: float = 0.0          # predicted extra step time, seconds (block offload)
 
 
+@dataclasses.dataclass
+class _Checked:
+    """The block plans one fallback compiled, each as ``(flops, depth, plan, figures)``:
+    all of them, those within ``requested``, the compiles and the lowest peak."""
+
+    requested: int
+    compile_plan: Callable[[Plan], Figures]
+    tried: list[tuple] = dataclasses.field(default_factory=list)
+    fitting: list[tuple] = dataclasses.field(default_factory=list)
+    compiles: int = 0
+    lowest: int | None = None
+
+    def check(self, depth: int, p: Plan, named: bool = True) -> tuple:
+        """Compile ``p`` (a block plan at ``depth``) and record it; its tuple."""
+        fig = self.compile_plan(p)
+        self.compiles += 1
+        self.lowest = fig.peak if self.lowest is None else min(self.lowest, fig.peak)
+        label = f", {p.strategy}" if named else ""
+        debug(f"(blocks, depth {depth}{label}): compiled {fmt_bytes(fig.peak)}, "
+              f"{fig.flops:.4g} FLOPs")
+        t = (fig.flops, depth, p, fig)
+        self.tried.append(t)
+        if fig.peak <= self.requested:
+            self.fitting.append(t)
+        return t
+
+
 def best_block_plan(analysis: Analysis, requested: int,
                     compile_plan: Callable[[Plan], Figures]) -> Found:
     """Block plans at every block depth, compiled: the fitting one with the fewest FLOPs,
@@ -67,22 +94,15 @@ def best_block_plan(analysis: Analysis, requested: int,
     first-replayed block kept (:func:`first_block_kept`) and the one with the most headroom
     spent some of it on re-saving (:func:`resaved`). On an accelerator, when none fits,
     each is compiled again unfenced (:func:`_unfenced`)."""
-    fitting, tried, lowest, n = [], [], None, 0
+    c = _Checked(requested, compile_plan)
     for depth in block_depths(analysis.program):
-        blk = plan_blocks(analysis, depth)
-        fig = compile_plan(blk)
-        n += 1
-        lowest = fig.peak if lowest is None else min(lowest, fig.peak)
-        debug(f"(blocks, depth {depth}): compiled {fmt_bytes(fig.peak)}, {fig.flops:.4g} FLOPs")
-        tried.append((fig.flops, depth, blk, fig))
-        if fig.peak <= requested:
-            fitting.append(tried[-1])
-    if tried:
+        c.check(depth, plan_blocks(analysis, depth), named=False)
+    if c.tried:
         # the lowest depth cut the other way too, each light layer's output a boundary of
         # its own (join_light=False): which grouping compiles lower depends on the model
         # and the compiler (BERT-base's post-LayerNorm layers at its bench size, H100
         # target: 1.68 GiB joined, 1.61 GiB unjoined, against per-layer nn.remat's 1.615)
-        low = min(tried, key=lambda t: (t[3].peak, t[0]))
+        low = min(c.tried, key=lambda t: (t[3].peak, t[0]))
         unjoined = plan_blocks(analysis, low[1], join_light=False)
         extra = [low[2]]
         if unjoined.recompute != low[2].recompute or unjoined.keep != low[2].keep:
@@ -93,17 +113,10 @@ def best_block_plan(analysis: Analysis, requested: int,
         # with its first block kept that fits, 1.61 GiB, where either alone is 1.68-1.69)
         extra += [k for p in extra if (k := first_block_kept(analysis, p)) is not p]
         for p in extra[1:]:
-            fig = compile_plan(p)
-            n += 1
-            lowest = min(lowest, fig.peak)
-            debug(f"(blocks, depth {low[1]}, {p.strategy}): compiled {fmt_bytes(fig.peak)}, "
-                  f"{fig.flops:.4g} FLOPs")
-            tried.append((fig.flops, low[1], p, fig))
-            if fig.peak <= requested:
-                fitting.append(tried[-1])
-    if not fitting and tried and analysis.platform != "cpu":
-        k, lowest = _unfenced(analysis, tried, fitting, requested, compile_plan, lowest)
-        n += k
+            c.check(low[1], p)
+    if not c.fitting and c.tried and analysis.platform != "cpu":
+        _unfenced(analysis, c)
+    fitting, n = c.fitting, c.compiles
     if fitting:
         # the block plan with the most headroom keeps some of what it re-creates again
         roomy = min(fitting, key=lambda t: (t[3].peak, t[0]))
@@ -112,43 +125,26 @@ def best_block_plan(analysis: Analysis, requested: int,
         fitting.append((fig.flops, roomy[1], blk, fig))
     cheapest = min(fitting, key=lambda t: (t[0], t[1]), default=None)
     if cheapest is None:
-        return Found(None, None, n, lowest)
-    return Found(cheapest[2], cheapest[3], n, lowest)
+        return Found(None, None, n, c.lowest)
+    return Found(cheapest[2], cheapest[3], n, c.lowest)
 
 
-def _unfenced(analysis: Analysis, tried: list[tuple], fitting: list[tuple], requested: int,
-              compile_plan: Callable[[Plan], Figures], lowest: int) -> tuple[int, int]:
-    """The block plans in ``tried`` compiled again with their finished gradients left
-    where the scheduler puts them (``Plan.unfenced``), then the lowest of those with its
-    first-replayed block kept; those that fit are added to ``fitting``. Returns (compiles,
-    lowest peak). The fence (:func:`jaxmem.rewriting.settle.fence_finished`) lowers most
-    block plans on XLA:GPU, but a large gradient it makes early is live to the update:
-    penzai's llama-like bench step's depth-1 plan compiled to 2,048.8 MB fenced and
+def _unfenced(analysis: Analysis, c: _Checked) -> None:
+    """The block plans ``c`` tried, compiled again with their finished gradients left where
+    the scheduler puts them (``Plan.unfenced``); when none fits, the lowest of those with
+    its first-replayed block kept. The fence (:func:`jaxmem.rewriting.settle.fence_finished`)
+    lowers most block plans on XLA:GPU, but a large gradient it makes early is live to the
+    update: penzai's llama-like bench step's depth-1 plan compiled to 2,048.8 MB fenced and
     1,904.2 MB unfenced (its 98 MB LM-head gradient), and with its first-replayed block
     kept to 1,899.9 MB, below its package switch's 1,902.9 MB."""
-    n, again = 0, []
-    for _, depth, blk, _ in list(tried):
-        p = dataclasses.replace(blk, unfenced=True,
-                                strategy=blk.strategy.rstrip(")") + ", unfenced)")
-        again.append((depth, p))
-    low = None
-    while again:
-        depth, p = again.pop(0)
-        fig = compile_plan(p)
-        n += 1
-        lowest = min(lowest, fig.peak)
-        debug(f"(blocks, depth {depth}, {p.strategy}): compiled {fmt_bytes(fig.peak)}, "
-              f"{fig.flops:.4g} FLOPs")
-        if fig.peak <= requested:
-            fitting.append((fig.flops, depth, p, fig))
-        elif low is None or fig.peak < low[2].peak:
-            low = (depth, p, fig)
-        if not again and not fitting and low is not None:
-            kept = first_block_kept(analysis, low[1])
-            if kept is not low[1]:
-                again.append((low[0], kept))
-            low = None
-    return n, lowest
+    again = [c.check(depth, dataclasses.replace(
+                 blk, unfenced=True, strategy=blk.strategy.rstrip(")") + ", unfenced)"))
+             for _, depth, blk, _ in list(c.tried)]
+    if not c.fitting:
+        _, depth, low, _ = min(again, key=lambda t: t[3].peak)
+        kept = first_block_kept(analysis, low)
+        if kept is not low:
+            c.check(depth, kept)
 
 
 def first_block_kept(analysis: Analysis, blk: Plan) -> Plan:
