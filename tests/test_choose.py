@@ -46,10 +46,12 @@ def _plan(name: str, predicted: int):
     return SimpleNamespace(strategy=name, recompute=predicted, offload=())
 
 
-def _ranked_run(monkeypatch, compiled_peaks: dict[str, int], verify=True):
+def _ranked_run(monkeypatch, compiled_peaks: dict[str, int], verify=True,
+                rewritten: dict[str, int] | None = None):
     """``choose.verified`` over five candidate plans (predicted peaks 50, 10, 40, 20, 30)
-    with synthetic compiled figures (the plain step: 100): what it compiled, in what
-    batches, and what it kept."""
+    with synthetic compiled figures (the plain step: 100) and the rewritten steps' predicted
+    peaks (``rewritten``; none traced where not given): what it compiled, in what batches,
+    and what it kept."""
     from jaxmem.compiling import choose
 
     cands = [Candidate(_plan(n, p), None, None)
@@ -72,8 +74,11 @@ def _ranked_run(monkeypatch, compiled_peaks: dict[str, int], verify=True):
     monkeypatch.setattr(choose, "_plain_kept", lambda plan, analysis, best, base, skipped: (
         "plain", best and best.peak, skipped))
     monkeypatch.setattr(choose, "_hinted", lambda chosen, analysis, cap: chosen)
+    monkeypatch.setattr(choose, "rewritten_peak", lambda c, step, platform: (
+        (rewritten or {}).get(c.plan.strategy)))
     options = SimpleNamespace(verify=verify, max_recompute_fraction=0.05)
-    return batches, choose.verified(SimpleNamespace(donated=(0,)), None, None, options)
+    return batches, choose.verified(SimpleNamespace(donated=(0,)),
+                                    SimpleNamespace(platform="cpu"), None, options)
 
 
 def test_only_the_best_predicted_plans_are_compiled_when_one_is_below_plain(monkeypatch):
@@ -82,6 +87,21 @@ def test_only_the_best_predicted_plans_are_compiled_when_one_is_below_plain(monk
     assert batches == [["b", "d", "e"]]  # the three lowest predictions, in their order
     assert (kind, best, tried) == ("kept", "d", ["b", "d", "e"])
     assert skipped[-1].startswith("compiled 3 of 5 candidate plans") and "a, c" in skipped[-1]
+
+
+def test_the_rewritten_steps_best_is_compiled_with_the_models_three(monkeypatch):
+    """The cost model ranks drop sets; the rewritten step's liveness sees how a plan groups
+    its re-creation. Its lowest ("a", the model's worst) joins the first compiles."""
+    peaks = dict(a=60, b=90, c=70, d=80, e=85)
+    rewritten = dict(a=50, b=70, c=60, d=65, e=80)
+    batches, (kind, best, tried, skipped) = _ranked_run(monkeypatch, peaks,
+                                                        rewritten=rewritten)
+    assert batches == [["b", "d", "e", "a"]] and (kind, best) == ("kept", "a")
+    assert skipped[-1].startswith("compiled 4 of 5 candidate plans") and "not compiled: c" \
+        in skipped[-1]
+    # already among the model's three: nothing added
+    batches, _ = _ranked_run(monkeypatch, peaks, rewritten=dict(rewritten, d=10))
+    assert batches == [["b", "d", "e"]]
 
 
 def test_the_rest_are_compiled_when_none_of_the_first_is_below_plain(monkeypatch):

@@ -36,7 +36,7 @@ class _Model:
 
 
 def _run(monkeypatch, compiled: dict[str, int], plain_predicted: int = 100,
-         plain: int = 100, predictions=(40, 10, 30, 20)):
+         plain: int = 100, predictions=(40, 10, 30, 20), rewritten=None):
     """``predicted.predicted`` over four candidates (predicted 40, 10, 30, 20) with
     synthetic compiled peaks: what was compiled, in order (a group compiled together
     joined by "+"), and what runs."""
@@ -46,6 +46,8 @@ def _run(monkeypatch, compiled: dict[str, int], plain_predicted: int = 100,
              for n, p in zip("abcd", predictions, strict=True)]
     monkeypatch.setattr(predicted, "CostModel", _Model)
     monkeypatch.setattr(predicted, "rewrite_candidates", lambda *a: list(cands))
+    monkeypatch.setattr(predicted, "rewritten_peak", lambda c, step, platform: (
+        (rewritten or {}).get(c.plan.strategy)))
 
     def compile_one(cs, step):
         order.append("+".join(c.plan.strategy for c in cs))
@@ -62,7 +64,7 @@ def _run(monkeypatch, compiled: dict[str, int], plain_predicted: int = 100,
         plan.strategy, base is not None, check))
     monkeypatch.setattr(predicted, "_plain_kept", lambda plan, a, base, tried: (
         ("plain", base[0].peak), base[1]))
-    analysis = SimpleNamespace(peak_bytes=plain_predicted)
+    analysis = SimpleNamespace(peak_bytes=plain_predicted, platform="cpu")
     step = SimpleNamespace(platform="cpu")
     options = SimpleNamespace(max_recompute_fraction=0.05)
     return order, predicted.predicted(SimpleNamespace(donated=(0,)), analysis, step, options)
@@ -101,6 +103,19 @@ def test_plans_tied_in_the_model_are_compiled_together_and_the_lowest_checked(
     order, ((name, plain_compiled, _), exe) = _run(
         monkeypatch, dict(a=60, b=80, c=70, d=75), predictions=(40, 10, 30, 10))
     assert order == ["b+d"] and name == "d" and exe == "exe d" and not plain_compiled
+
+
+def test_the_rewritten_steps_best_is_compiled_with_the_first_group(monkeypatch):
+    # "a" is the model's worst and the rewritten step's lowest: compiled with "b", and kept
+    order, ((name, _, _), exe) = _run(monkeypatch, dict(a=60, b=80, c=70, d=75),
+                                      rewritten=dict(a=55, b=70, c=65, d=66))
+    assert order == ["b+a"] and name == "a" and exe == "exe a"
+    # from a later group of the model's: moved, not compiled twice
+    order, _ = _run(monkeypatch, dict(a=60, b=120, c=130, d=110),
+                    rewritten=dict(a=90, b=70, c=65, d=66))
+    assert order == ["b+c", "plain", "d"]
+    assert predicted._first_with([[1], [3], [2]], 2) == [[1, 2], [3]]
+    assert predicted._first_with([[1], [3]], None) == [[1], [3]]
 
 
 def test_groups_stop_once_the_best_predicted_are_in():

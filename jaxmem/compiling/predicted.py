@@ -5,8 +5,9 @@ candidate plans (:func:`.choose.rewrite_candidates`) are ranked by the peak jaxm
 model predicts for them (:class:`~jaxmem.analyzing.costmodel.CostModel`), and compiled
 best first, each in full (the compile that checks a plan is the one the first call
 runs): one at a time, or together where plans tie in the model (the same values dropped,
-grouped differently: the compiler tells them apart), the lowest of a group checked. The
-first that passes runs:
+grouped differently: the compiler tells them apart), the lowest of a group checked; the
+plan whose rewritten step's liveness is predicted lowest is compiled with the first group.
+The first that passes runs:
 
 - below the plain step's **predicted** peak (:attr:`Analysis.peak_bytes`) by more than
   the prediction's error bound for the target (:data:`PLAIN_ERROR`): it is below the
@@ -33,7 +34,7 @@ from typing import Any
 from jaxmem.analyzing.analysis import Analysis
 from jaxmem.analyzing.costmodel import CostModel
 from jaxmem.compiling import quick_compile
-from jaxmem.compiling.choose import TOP, Candidate, rewrite_candidates
+from jaxmem.compiling.choose import TOP, Candidate, rewrite_candidates, rewritten_peak
 from jaxmem.compiling.options import Options
 from jaxmem.compiling.steps import Step, read
 from jaxmem.planning import strategies
@@ -60,7 +61,7 @@ def predicted(plan: Plan, analysis: Analysis, step: Step, options: Options
     plain_pred = analysis.peak_bytes
     base: tuple[Figures, Any] | None = None
     tried: list[str] = []
-    for group in _tied(pred, TOP):
+    for group in _first_with(_tied(pred, TOP), _rewritten_best(cands, step, analysis)):
         figs, exes = _compiled([cands[i] for i in group], step)
         tried += [f"{cands[i].plan.strategy} {fmt_bytes(f.peak)}"
                   for i, f in zip(group, figs, strict=True)]
@@ -97,6 +98,25 @@ def _tied(pred: list[int], top: int) -> list[list[int]]:
         if pred[i] <= cut:
             groups.setdefault(pred[i], []).append(i)
     return list(groups.values())
+
+
+def _rewritten_best(cands: list[Candidate], step: Step, analysis: Analysis) -> int | None:
+    """The candidate whose rewritten step's liveness is predicted lowest
+    (:func:`.choose.rewritten_peak`), or None when none could be traced."""
+    peaks = [(p, i) for i, c in enumerate(cands)
+             if (p := rewritten_peak(c, step, analysis.platform)) is not None]
+    return min(peaks)[1] if peaks else None
+
+
+def _first_with(groups: list[list[int]], best: int | None) -> list[list[int]]:
+    """``groups`` with ``best`` compiled in the first (moved there from a later group):
+    the cost model and the rewritten step's liveness each miss the compiled best on some
+    steps, where the two first choices together had it on every zoo and corpus step
+    measured (:func:`.choose.with_rewritten_best`)."""
+    if best is None or not groups or best in groups[0]:
+        return groups
+    rest = [[i for i in g if i != best] for g in groups[1:]]
+    return [groups[0] + [best]] + [g for g in rest if g]
 
 
 def _compiled(cands: list[Candidate], step: Step) -> tuple[list[Figures], list[Any]]:
