@@ -157,8 +157,8 @@ def test_a_name_split_into_runs_adds_no_level():
 @pytest.mark.parametrize("name", list(MODELS))
 def test_optimize_matches_jit_and_lowers_peak_where_names_miss_layers(name, monkeypatch):
     """Same loss and gradients as jax.jit; a strictly lower peak than without the
-    structure-derived layers where names do not tell layers apart, never a higher one where
-    they do (the haiku ResNet: names already give its blocks). Never above what a user of
+    structure-derived layers where names do not tell layers apart; where they do (the haiku
+    ResNet: names already give its blocks), the structure leaves the program alone. Never above what a user of
     any library can do without editing the model, ``jax.value_and_grad(jax.checkpoint(loss,
     policy=dots_saveable))``: that step is one of the automatic mode's candidates (traced
     from the user's own), compiled the same way."""
@@ -177,6 +177,13 @@ def test_optimize_matches_jit_and_lowers_peak_where_names_miss_layers(name, monk
                                              args).peak
     tried = next(n for n in plan.notes if n.startswith("compiled "))
     assert "jax.checkpoint(loss, policy=dots_saveable)" in tried
+    if name in NAMED:
+        # names already give the blocks: the structure leaves the program alone, so the
+        # plan is made from the names' layers (planning it again without the structure,
+        # as below, compiled the same candidates: 30 s of the suite for no new check)
+        prog = program.trace(step, *args)
+        assert structure.names_informative(prog) and structure.label(prog) is prog
+        return
     # Before issue 16: name-derived layers only, and no whole-step dots_saveable candidate.
     monkeypatch.setattr(structure, "label", lambda p, force=False: p)
     candidates = strategies.auto_candidates
@@ -185,10 +192,7 @@ def test_optimize_matches_jit_and_lowers_peak_where_names_miss_layers(name, monk
     monkeypatch.setattr(_jax, "checkpointed_losses", _no_loss_candidate)
     plan_cache.clear_memory()  # the same program and options: plan afresh, unpatched
     before = jaxmem.optimize(step, donate_argnums=()).plan(*args).compiled.peak
-    if name in NAMED:
-        assert after <= before  # names already give the blocks: never worse
-    else:
-        assert after < before
+    assert after < before
 
 
 @contextlib.contextmanager
