@@ -38,9 +38,10 @@ W, X = jnp.ones((32, 32)) * 0.05, jnp.ones((16, 32))
 def test_generated_steps_match_jit(tmp_path):
     """55 fixed-seed generated steps (seeds 37-91, which draw every op family; seven packs:
     six of 9 cases to a compile, one single case), every strategy in rotation: 0
-    mismatches, 0 budget violations, 0 peaks above plain without a reason, 0 errors. The cost is compiles per pack (five for ``auto``), so the
-    batch keeps seven packs, one per strategy and the single case, and keeps them small;
-    the volume is in the long runs (docs/testing.md)."""
+    mismatches, 0 budget violations, 0 peaks above plain without a reason, 0 errors. The
+    cost is compiles per pack (five for ``auto``), so the batch keeps seven packs, one per
+    strategy and the single case, and keeps them small; the volume is in the long runs
+    (docs/testing.md)."""
     out = tmp_path / "diff.json"
     env = dict(os.environ, XLA_FLAGS=xla_flags(), JAX_PLATFORMS="cpu")  # conftest.py's -O0
     r = subprocess.run(

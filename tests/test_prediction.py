@@ -8,6 +8,8 @@ full table over the zoo is ``python -m benchmarks.prediction`` (docs/targets.md)
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import pytest
 
@@ -15,6 +17,8 @@ import jaxmem
 from benchmarks import zoo
 from jaxmem import measure, targets
 from jaxmem.analyzing import fusion
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +88,22 @@ def test_gpu_gemm_fusions_take_activation_conversions():
     gpu, cpu = materialised(prog, "cuda"), materialised(prog, "cpu")
     assert not gpu[probs.outputs[0]] and gpu[weight.outputs[0]]
     assert cpu[probs.outputs[0]] and cpu[weight.outputs[0]]
+
+
+def test_ranking_union_reads_the_plans_files():
+    """``benchmarks.ranking_union`` over the committed ``prediction --plans`` files: the
+    union of the cost model's three and the rewritten step's first never lands above either
+    set alone, and held the compiled best on every step there (what ``verify=True`` relies
+    on since ``with_rewritten_best``)."""
+    from benchmarks import ranking_union
+
+    paths = [str(ROOT / "benchmarks/results" / p) for p in (
+        "prediction/plans-cpu.json", "prediction/plans-h100.json",
+        "prediction_corpus/plans-h100.json")]
+    rows = [r for p in paths for r in ranking_union.step_rows(p)]
+    assert len(rows) >= 9
+    for _, _, _, sets in rows:
+        union = sets["union"]["over"]
+        assert union is not None and union <= min(
+            x["over"] for x in (sets["model3"], sets["rewritten1"]) if x["over"] is not None)
+        assert union == 0.0

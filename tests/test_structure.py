@@ -158,10 +158,10 @@ def test_a_name_split_into_runs_adds_no_level():
 def test_optimize_matches_jit_and_lowers_peak_where_names_miss_layers(name, monkeypatch):
     """Same loss and gradients as jax.jit; a strictly lower peak than without the
     structure-derived layers where names do not tell layers apart; where they do (the haiku
-    ResNet: names already give its blocks), the structure leaves the program alone. Never above what a user of
-    any library can do without editing the model, ``jax.value_and_grad(jax.checkpoint(loss,
-    policy=dots_saveable))``: that step is one of the automatic mode's candidates (traced
-    from the user's own), compiled the same way."""
+    ResNet: names already give its blocks), the structure leaves the program alone. Never
+    above what a user of any library can do without editing the model,
+    ``jax.value_and_grad(jax.checkpoint(loss, policy=dots_saveable))``: that step is one of
+    the automatic mode's candidates (traced from the user's own), compiled the same way."""
     step, args, _ = MODELS[name]()
     want_loss, want_grads = jax.jit(step)(*args)
     opt = jaxmem.optimize(step, donate_argnums=())

@@ -1,0 +1,88 @@
+"""Which first compiles would have held the compiled best, from ``prediction --plans`` JSON.
+
+``python -m benchmarks.prediction --plans`` compiles every candidate plan of a step
+(``verify="all"``) and records, per plan, its compiled peak, the cost model's prediction
+(``model``) and the rewritten step's own liveness (``rewritten``). This reads those files
+and says, per step, how far above the best compiled plan the best of each first set lands:
+
+- ``model3``: the cost model's three lowest, and any tied with the third (what
+  ``jaxmem.compiling.choose.ranked`` compiles first);
+- ``rewritten1``: the rewritten step's lowest alone;
+- ``union``: both (what ``verify=True`` compiles since ``with_rewritten_best``).
+
+Run::
+
+    python -m benchmarks.ranking_union benchmarks/results/prediction/plans-cpu.json \\
+        benchmarks/results/prediction/plans-h100.json \\
+        benchmarks/results/prediction_corpus/plans-h100.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def first(rows: list[dict[str, Any]], key: str, k: int) -> list[dict[str, Any]]:
+    """The ``k`` rows lowest in ``key``, with every row tied with the ``k``-th."""
+    known = sorted((r for r in rows if r.get(key) is not None), key=lambda r: r[key])
+    if not known:
+        return []
+    cut = known[min(k, len(known)) - 1][key]
+    return [r for r in known if r[key] <= cut]
+
+
+def over_best(rows: list[dict[str, Any]], chosen: list[dict[str, Any]]) -> float | None:
+    """How far (%) the lowest compiled peak of ``chosen`` is above the lowest of ``rows``."""
+    if not chosen:
+        return None
+    best = min(r["compiled"] for r in rows)
+    return 100.0 * (min(r["compiled"] for r in chosen) / best - 1.0)
+
+
+def step_rows(path: str) -> list[tuple[str, str, int, dict[str, Any]]]:
+    """Per step of a ``prediction --plans`` file: model, target, plans, the three sets'
+    figures (``over``: % above the best; ``n``: plans in the set)."""
+    out = []
+    for m in json.loads(Path(path).read_text())["models"]:
+        rows = [c for c in m["candidates"] if c["kind"] == "plan" and c.get("compiled")]
+        if not rows:
+            continue
+        model3, rewritten1 = first(rows, "model", 3), first(rows, "rewritten", 1)
+        union = list({id(r): r for r in model3 + rewritten1}.values())
+        sets = {"model3": model3, "rewritten1": rewritten1, "union": union}
+        out.append((m["model"], m["target"], len(rows),
+                    {k: {"over": over_best(rows, v), "n": len(v)} for k, v in sets.items()}))
+    return out
+
+
+def _cell(x: dict[str, Any]) -> str:
+    return "–" if x["over"] is None else f"{x['over']:+.1f}% ({x['n']})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    paths = sys.argv[1:] if argv is None else argv
+    if not paths:
+        print(__doc__)
+        return 2
+    print("| step | target | plans | model's 3 | rewritten's 1 | both |")
+    print("|---|---|---:|---:|---:|---:|")
+    held = {"model3": 0, "rewritten1": 0, "union": 0}
+    n = 0
+    for path in paths:
+        for model, target, plans, sets in step_rows(path):
+            n += 1
+            for k, v in sets.items():
+                held[k] += v["over"] is not None and v["over"] <= 0.0
+            print(f"| {model} | {target} | {plans} | {_cell(sets['model3'])} | "
+                  f"{_cell(sets['rewritten1'])} | {_cell(sets['union'])} |")
+    print(f"\nThe compiled best held, of {n} steps: model's 3 {held['model3']}, "
+          f"rewritten's 1 {held['rewritten1']}, both {held['union']}. "
+          "Cells: % above the best compiled plan (plans in the set).")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
