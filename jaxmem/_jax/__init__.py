@@ -87,7 +87,13 @@ from jaxmem._jax.remat import (
     tracing,
     under_differentiation,
 )
-from jaxmem._jax.surgery import jaxpr_fun, replace_params, shard_map_kwargs, with_eqns
+from jaxmem._jax.surgery import (
+    jaxpr_fun,
+    live_only,
+    replace_params,
+    shard_map_kwargs,
+    with_eqns,
+)
 
 __all__ = [
     "COND_NAMES", "CUSTOM_NAMES", "JIT_NAMES", "LOOP_NAMES", "REMAT_NAMES", "ClosedJaxpr",
@@ -97,7 +103,7 @@ __all__ = [
     "default_backend_initialized", "device_space", "extend_name_stack",
     "gpu_client_options_from_env", "has_visible_nvidia_gpu", "has_visible_tpu", "host_space",
     "initialized_platforms", "is_backward", "is_dropvar", "is_forward", "is_literal",
-    "is_tracer", "jaxpr_fun", "jaxprs_in_params", "jit_inlinable", "libtpu_installed",
+    "is_tracer", "jaxpr_fun", "jaxprs_in_params", "jit_inlinable", "libtpu_installed", "live_only",
     "literal_value", "lowered_platform", "memory_kinds", "name_p", "name_stack",
     "name_stack_str", "only_known_plugins", "optimization_barrier_p", "primitives",
     "replace_params", "saved_residuals", "scopes", "scopes_of", "shard_buffers",

@@ -2,7 +2,8 @@
 parts, for :mod:`jaxmem.compiling.shard_map`.
 
 An equation with new params, a jaxpr with new equations, the ``jax.shard_map`` keyword
-arguments that re-create a ``shard_map`` equation, and a closed jaxpr as a function.
+arguments that re-create a ``shard_map`` equation, a closed jaxpr as a function, and a
+closed jaxpr without its dead equations.
 (:func:`~jaxmem._jax.jaxprs.closed_jaxpr`, which closes an open jaxpr, is with the types.)
 """
 
@@ -20,6 +21,17 @@ from jaxmem._jax.jaxprs import ClosedJaxpr, Jaxpr, JaxprEqn
 def replace_params(eqn: JaxprEqn, params: dict[str, Any]) -> JaxprEqn:
     """``eqn`` with new params (same inputs, outputs, effects and source info)."""
     return eqn.replace(params=dict(params))
+
+
+def live_only(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """``closed`` without the equations none of its outputs depends on (JAX's own dead-code
+    elimination, ``partial_eval.dce_jaxpr``, into nested jaxprs; effectful equations stay):
+    what XLA's DCE also removes before it computes anything."""
+    from jax._src.interpreters import partial_eval as pe
+
+    jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars),
+                            instantiate=True)
+    return jcore.ClosedJaxpr(jaxpr, closed.consts)
 
 
 def with_eqns(jaxpr: Jaxpr, eqns: Sequence[JaxprEqn]) -> Jaxpr:
