@@ -15,7 +15,7 @@ import pytest
 import jaxmem
 from benchmarks.zoo.small import MLP, make_step
 from jaxmem import measure
-from jaxmem.compiling import predicted
+from jaxmem.compiling import choose, predicted
 from jaxmem.compiling.choose import Candidate
 from jaxmem.xla.measure import Figures
 from tests._compiles import count_compiles
@@ -46,7 +46,7 @@ def _run(monkeypatch, compiled: dict[str, int], plain_predicted: int = 100,
              for n, p in zip("abcd", predictions, strict=True)]
     monkeypatch.setattr(predicted, "CostModel", _Model)
     monkeypatch.setattr(predicted, "rewrite_candidates", lambda *a: list(cands))
-    monkeypatch.setattr(predicted, "rewritten_peak", lambda c, step, platform: (
+    monkeypatch.setattr(choose, "rewritten_peak", lambda c, step, platform: (
         (rewritten or {}).get(c.plan.strategy)))
 
     def compile_one(cs, step):

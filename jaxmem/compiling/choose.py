@@ -157,12 +157,19 @@ def with_rewritten_best(first: list[Candidate], rest: list[Candidate], step: Ste
     together they had it on all twelve zoo and corpus bench steps measured there."""
     if not rest:
         return first, rest
-    peaks = [rewritten_peak(c, step, platform) for c in first + rest]
-    known = [(p, i) for i, p in enumerate(peaks) if p is not None]
-    if not known or min(known)[1] < len(first):
+    i = rewritten_best(first + rest, step, platform)
+    if i is None or i < len(first):
         return first, rest
-    best = rest[min(known)[1] - len(first)]
+    best = rest[i - len(first)]
     return first + [best], [c for c in rest if c is not best]
+
+
+def rewritten_best(cands: list[Candidate], step: Step, platform: str) -> int | None:
+    """The index of the candidate whose rewritten step (:func:`rewritten_peak`) is
+    predicted lowest, the first of equals; None when none could be traced."""
+    peaks = [(p, i) for i, c in enumerate(cands)
+             if (p := rewritten_peak(c, step, platform)) is not None]
+    return min(peaks)[1] if peaks else None
 
 
 def _named(cands: list[Candidate]) -> list[str]:

@@ -34,7 +34,7 @@ from typing import Any
 from jaxmem.analyzing.analysis import Analysis
 from jaxmem.analyzing.costmodel import CostModel
 from jaxmem.compiling import quick_compile
-from jaxmem.compiling.choose import TOP, Candidate, rewrite_candidates, rewritten_peak
+from jaxmem.compiling.choose import TOP, Candidate, rewrite_candidates, rewritten_best
 from jaxmem.compiling.options import Options
 from jaxmem.compiling.steps import Step, read
 from jaxmem.planning import strategies
@@ -61,7 +61,8 @@ def predicted(plan: Plan, analysis: Analysis, step: Step, options: Options
     plain_pred = analysis.peak_bytes
     base: tuple[Figures, Any] | None = None
     tried: list[str] = []
-    for group in _first_with(_tied(pred, TOP), _rewritten_best(cands, step, analysis)):
+    for group in _first_with(_tied(pred, TOP),
+                             rewritten_best(cands, step, analysis.platform)):
         figs, exes = _compiled([cands[i] for i in group], step)
         tried += [f"{cands[i].plan.strategy} {fmt_bytes(f.peak)}"
                   for i, f in zip(group, figs, strict=True)]
@@ -98,14 +99,6 @@ def _tied(pred: list[int], top: int) -> list[list[int]]:
         if pred[i] <= cut:
             groups.setdefault(pred[i], []).append(i)
     return list(groups.values())
-
-
-def _rewritten_best(cands: list[Candidate], step: Step, analysis: Analysis) -> int | None:
-    """The candidate whose rewritten step's liveness is predicted lowest
-    (:func:`.choose.rewritten_peak`), or None when none could be traced."""
-    peaks = [(p, i) for i, c in enumerate(cands)
-             if (p := rewritten_peak(c, step, analysis.platform)) is not None]
-    return min(peaks)[1] if peaks else None
 
 
 def _first_with(groups: list[list[int]], best: int | None) -> list[list[int]]:
