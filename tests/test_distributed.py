@@ -136,11 +136,16 @@ _, base, planned = next(r for r in rows if r[0] == "shard_map DP")
 fits = planned + (base - planned) // 2
 plan = jaxmem.optimize(step, donate_argnums=(), budget=fits).plan(ws, x)
 assert plan.inner and plan.compiled.peak <= fits < plan.baseline.peak, str(plan)
+# 5% below the automatic plan: the body's own budget search (each candidate compiled as the
+# whole step) goes below what the automatic plan of the body reaches.
+below = planned - planned // 20
+plan = jaxmem.optimize(step, donate_argnums=(), budget=below).plan(ws, x)
+assert plan.compiled.peak <= below and "budget" in plan.inner[0].strategy, str(plan)
 try:
     jaxmem.optimize(step, donate_argnums=(), budget=planned // 2).plan(ws, x)
     raise AssertionError("no BudgetError")
-except jaxmem.BudgetError:
-    pass
+except jaxmem.BudgetError as e:  # its minimum: the lowest found, not the plain step's
+    assert e.minimum_bytes <= plan.compiled.peak < base, (e.minimum_bytes, base)
 
 # FSDP with the optimizer state (and the parameters) in host memory: adam on kernels and
 # moments sharded over the 8 devices; jax.jit's results within float rounding (the streamed
@@ -182,7 +187,8 @@ def test_sharded_and_shard_map_steps_on_8_host_devices():
     """shard_map data parallelism and FSDP (forward and backward in the body), FSDP and 2-D
     (data x model) meshes under jit: the same outputs and output shardings as jax.jit, a
     lower per-device compiled peak; sizes per device on an Explicit mesh; a budget on the
-    shard_map step met by its planned body."""
+    shard_map step met by its planned body, one below the body's automatic plan met by the
+    body's budget search, and a BudgetError's minimum the lowest peak found."""
     env = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=8"),
                JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     r = subprocess.run([sys.executable, "-c", _EIGHT], env=env, capture_output=True,

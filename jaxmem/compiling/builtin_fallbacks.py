@@ -79,12 +79,14 @@ def _fitting_builtins(error: BudgetError, step: Step) -> tuple[list[tuple], int]
 
 
 def unplanned_budget(plan: Plan, analysis: Analysis, step: Step, budget: Any,
-                     fn: Any, planned: Any = None) -> tuple[Plan, Any]:
+                     fn: Any, planned: Any = None, searched: int | None = None
+                     ) -> tuple[Plan, Any]:
     """A budget on a step with nothing to plan (no backward pass at the top level, or
     ``strategy="none"``): the plain step runs, so its compiled peak must fit, or
     ``BudgetError`` (a budget is a guarantee, never a hint). ``planned``: the step with
-    its loop or shard_map bodies planned, which runs if its compiled peak fits. ``fn``:
-    the user's step (named in the error)."""
+    its loop or shard_map bodies planned, which runs if its compiled peak fits; ``searched``:
+    the lowest peak a body's budget search compiled, where it missed (the error's minimum
+    when lower). ``fn``: the user's step (named in the error)."""
     flat = step.flat
     exe = measure.compile(step.plain.lower(*flat))
     base = read(exe, step.plain, flat)
@@ -93,12 +95,24 @@ def unplanned_budget(plan: Plan, analysis: Analysis, step: Step, budget: Any,
         planned_exe = measure.compile(planned.lower(*flat))
         fig = read(planned_exe, planned, flat)
         if fig.peak <= requested:
-            note = (f"bodies planned as steps of their own (without the budget): the "
+            how = ("by the budget search" if any("budget" in q.strategy for q in plan.inner)
+                   else "without the budget")
+            note = (f"bodies planned as steps of their own ({how}): the "
                     f"step's compiled peak {fmt_bytes(fig.peak)} fits the budget "
                     f"{fmt_bytes(requested)}")
             return dataclasses.replace(plan, budget=requested, notes=plan.notes + (note,),
                                        compiled=fig, baseline=base), planned_exe
-        plan = dataclasses.replace(plan, inner=())  # the plain step, if anything fits
+        if base.peak > requested:
+            low = min(fig.peak, base.peak, searched or base.peak)
+            budget_notes = tuple(n for q in plan.inner for n in q.notes if "budget" in n)
+            raise BudgetError(
+                f"jaxmem.optimize: {getattr(fn, '__name__', 'fn')}'s backward pass is inside "
+                f"loop or shard_map bodies, planned as steps of their own "
+                f"({'; '.join(plan.notes + budget_notes)}); the step's lowest compiled peak "
+                f"{fmt_bytes(low)} (plain {fmt_bytes(base.peak)}) is above the budget "
+                f"{fmt_bytes(requested)}. Raise the budget or use a smaller batch.",
+                requested, low)
+        plan = dataclasses.replace(plan, inner=())  # the plain step fits
     why = (why_unplanned(fn, analysis) if not analysis.program.has_backward
            else 'strategy="none" runs the plain step')
     if base.peak > requested:

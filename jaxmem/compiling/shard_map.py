@@ -49,6 +49,8 @@ from jaxmem.analyzing.analysis import Analysis, from_program
 from jaxmem.analyzing.costmodel import PROFILES, DeviceProfile
 from jaxmem.compiling.choose import ranked
 from jaxmem.planning import strategies
+from jaxmem.planning.budget.search import plan_with_budget
+from jaxmem.planning.budget.units import BudgetError, resolve_budget
 from jaxmem.planning.plan import Choice, Decision, Plan
 from jaxmem.rewriting.rewrite import apply
 from jaxmem.tracing import structure
@@ -56,7 +58,7 @@ from jaxmem.tracing.program import Program, from_jaxpr
 from jaxmem.xla import measure, targets
 from jaxmem.xla.measure import Figures, fmt_bytes, lowest
 
-__all__ = ["BodyPlanner", "has_backward_body", "plan_bodies", "regather"]
+__all__ = ["BodyPlanner", "StepBudget", "has_backward_body", "plan_bodies", "regather"]
 
 
 def _has_backward(jaxpr: Any) -> bool:
@@ -168,6 +170,31 @@ def regather(analysis: Analysis, plan: Plan, profile: DeviceProfile,
 
 
 @dataclasses.dataclass
+class StepBudget:
+    """A budget on the step around the ``shard_map`` bodies, for :class:`BodyPlanner`.
+
+    Attributes:
+      spec: the budget as given to ``optimize`` (bytes, a string, a fraction of the plain
+        step's peak).
+      plain: ``() -> Figures`` of the user's step under plain ``jax.jit`` (its donation),
+        compiled on first use.
+      compile: ``(eqn, body) -> Figures`` of the whole step with ``eqn``'s body replaced by
+        ``body`` (flat per-device inputs -> flat outputs), compiled the same way.
+      lowest: the lowest whole-step peak a body's budget search reached where it missed.
+    """
+
+    spec: Any
+    plain: Callable[[], Figures]
+    compile: Callable[[Any, Callable[..., Any]], Figures]
+    lowest: int | None = None
+
+    @property
+    def requested(self) -> int:
+        """The budget in bytes (a fraction resolved against the plain step's peak)."""
+        return resolve_budget(self.spec, self.plain().peak)
+
+
+@dataclasses.dataclass
 class BodyPlanner:
     """Plans one ``shard_map`` body: :func:`jaxmem.planning.strategies.auto_candidates` compiled
     per device on the mesh, lowest peak kept (``verify``), as ``jaxmem.optimize`` does for a
@@ -176,6 +203,11 @@ class BodyPlanner:
     max_recompute_fraction: float = 0.05
     verify: bool = True
     plans: list[Plan] = dataclasses.field(default_factory=list)
+    #: Under a budget: the whole step's (:class:`StepBudget`). The body is then planned by
+    #: the budget search (:func:`jaxmem.planning.budget.search.plan_with_budget`), each
+    #: candidate compiled as the whole step with it as its body (a body's own per-device
+    #: peak does not move with the step's one for one: the step donates its state).
+    budget: StepBudget | None = None
 
     def __call__(self, eqn: Any) -> Callable[..., Any] | None:
         program = structure.label(from_jaxpr(_jax.closed_jaxpr(eqn.params["jaxpr"])))
@@ -187,6 +219,7 @@ class BodyPlanner:
                               for c in cands) if p is not None]
         if not cands:
             return None
+        missed: tuple[str, ...] = ()
         if not self.verify:
             return self._chosen(eqn, program, cands[0], None, None)
         if not isinstance(eqn.params["mesh"], jax.sharding.Mesh):
@@ -197,12 +230,21 @@ class BodyPlanner:
         args = _abstract_args(eqn)
         base = _compiled(eqn, _jax.jaxpr_fun(program.jaxpr), args)
         first, rest = ranked(cands, analysis, plan_of=lambda p: p)  # as verify does
+        if self.budget is not None:
+            within = self._within_budget(eqn, program, analysis, cands[0], args, base)
+            if within is not None:
+                return self._chosen(eqn, program, within, within.compiled, base)
+            if self.budget.lowest is not None:
+                missed = (f"no plan of the body meets the budget "
+                          f"{fmt_bytes(self.budget.requested)} (the search's lowest "
+                          f"whole-step peak {fmt_bytes(self.budget.lowest)}); the lowest "
+                          "per-device peak is planned instead",)
         figs = [_compiled(eqn, _apply(eqn, program, plan), args) for plan in first]
         if rest and min(f.peak for f in figs) >= base.peak:  # none below: the others too
             first += rest
             figs += [_compiled(eqn, _apply(eqn, program, plan), args) for plan in rest]
         i = lowest(figs)
-        best = (first[i], figs[i])
+        best = (dataclasses.replace(first[i], notes=first[i].notes + missed), figs[i])
         if best[1].peak >= base.peak:
             self.plans.append(dataclasses.replace(
                 strategies.plan_none(analysis), strategy="shard_map body: none",
@@ -210,6 +252,28 @@ class BodyPlanner:
                        f"{fmt_bytes(base.peak)}: the body is kept as it is",)))
             return None
         return self._chosen(eqn, program, best[0], best[1], base)
+
+    def _within_budget(self, eqn: Any, program: Program, analysis: Analysis, auto: Plan,
+                       args: Sequence[Any], base: Figures) -> Plan | None:
+        """The body's plan under the step's budget, its figures the whole step's; None
+        (the lowest per-device peak is chosen instead, and the step's check then says what
+        it reaches) when the plain step already fits or no body plan makes the step fit."""
+        whole = self.budget
+        if whole.plain().peak <= whole.requested:  # nothing to plan for the budget
+            return None
+        try:
+            plan = plan_with_budget(
+                analysis, whole.requested, auto=auto,
+                compile_plan=lambda p: whole.compile(eqn, _apply(eqn, program, p)),
+                compile_plain=whole.plain)
+        except BudgetError as e:
+            whole.lowest = min(whole.lowest or e.minimum_bytes, e.minimum_bytes)
+            return None
+        fig = _compiled(eqn, _apply(eqn, program, plan), args)
+        note = (f"budget {fmt_bytes(whole.requested)}: the body planned by the budget search, "
+                f"each candidate compiled as the whole step (plain "
+                f"{fmt_bytes(whole.plain().peak)})")
+        return dataclasses.replace(plan, notes=plan.notes + (note,), compiled=fig)
 
     def _chosen(self, eqn: Any, program: Program, plan: Plan, fig: Figures | None,
                 base: Figures | None) -> Callable[..., Any]:
