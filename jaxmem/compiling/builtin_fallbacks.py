@@ -108,8 +108,8 @@ def unplanned_budget(plan: Plan, analysis: Analysis, step: Step, budget: Any,
             raise BudgetError(
                 f"jaxmem.optimize: {getattr(fn, '__name__', 'fn')}'s backward pass is inside "
                 f"loop or shard_map bodies, planned as steps of their own "
-                f"({'; '.join(plan.notes + budget_notes)}); the step's lowest compiled peak "
-                f"{fmt_bytes(low)} (plain {fmt_bytes(base.peak)}) is above the budget "
+                f"({'; '.join(plan.notes + budget_notes)}); the planned step compiles to "
+                f"{fmt_bytes(fig.peak)} (plain {fmt_bytes(base.peak)}), above the budget "
                 f"{fmt_bytes(requested)}. Raise the budget or use a smaller batch.",
                 requested, low)
         plan = dataclasses.replace(plan, inner=())  # the plain step fits

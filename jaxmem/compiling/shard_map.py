@@ -180,13 +180,16 @@ class StepBudget:
         compiled on first use.
       compile: ``(eqn, body) -> Figures`` of the whole step with ``eqn``'s body replaced by
         ``body`` (flat per-device inputs -> flat outputs), compiled the same way.
-      lowest: the lowest whole-step peak a body's budget search reached where it missed.
+      lowest: the lowest whole-step peak a body's budget search reached where it missed (a
+        lower bound, the body's arguments' size, where the budget is below that).
+      why: that search's error, its first sentence.
     """
 
     spec: Any
     plain: Callable[[], Figures]
     compile: Callable[[Any, Callable[..., Any]], Figures]
     lowest: int | None = None
+    why: str = ""
 
     @property
     def requested(self) -> int:
@@ -235,10 +238,8 @@ class BodyPlanner:
             if within is not None:
                 return self._chosen(eqn, program, within, within.compiled, base)
             if self.budget.lowest is not None:
-                missed = (f"no plan of the body meets the budget "
-                          f"{fmt_bytes(self.budget.requested)} (the search's lowest "
-                          f"whole-step peak {fmt_bytes(self.budget.lowest)}); the lowest "
-                          "per-device peak is planned instead",)
+                missed = (f"no plan of the body meets the budget ({self.budget.why}); "
+                          "the lowest per-device peak is planned instead",)
         figs = [_compiled(eqn, _apply(eqn, program, plan), args) for plan in first]
         if rest and min(f.peak for f in figs) >= base.peak:  # none below: the others too
             first += rest
@@ -268,6 +269,7 @@ class BodyPlanner:
                 compile_plain=whole.plain)
         except BudgetError as e:
             whole.lowest = min(whole.lowest or e.minimum_bytes, e.minimum_bytes)
+            whole.why = str(e).split(". ")[0]
             return None
         fig = _compiled(eqn, _apply(eqn, program, plan), args)
         note = (f"budget {fmt_bytes(whole.requested)}: the body planned by the budget search, "
