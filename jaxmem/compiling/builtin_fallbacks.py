@@ -106,8 +106,9 @@ def unplanned_budget(plan: Plan, analysis: Analysis, step: Step, budget: Any,
             low = min(fig.peak, base.peak, searched or base.peak)
             budget_notes = tuple(n for q in plan.inner for n in q.notes if "budget" in n)
             raise BudgetError(
-                f"jaxmem.optimize: {getattr(fn, '__name__', 'fn')}'s backward pass is inside "
-                f"loop or shard_map bodies, planned as steps of their own "
+                f"jaxmem.optimize: {getattr(fn, '__name__', 'fn')}'s jax.grad is inside a "
+                f"{'/'.join(backward_in_units(analysis.program)) or 'loop'} body, planned as "
+                f"a step of its own "
                 f"({'; '.join(plan.notes + budget_notes)}); the planned step compiles to "
                 f"{fmt_bytes(fig.peak)} (plain {fmt_bytes(base.peak)}), above the budget "
                 f"{fmt_bytes(requested)}. Raise the budget or use a smaller batch.",
