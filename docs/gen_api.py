@@ -31,6 +31,7 @@ SECTIONS: list[tuple[str, str, list[str] | None]] = [
     ("jaxmem.analyzing.chains", "jaxmem.analyzing.chains", None),
     ("jaxmem.tracing.structure", "jaxmem.tracing.structure", None),
     ("jaxmem.planning.strategies", "jaxmem.planning.strategies", None),
+    ("jaxmem.planning.costs", "jaxmem.planning.costs", None),
     ("jaxmem.rewriting.blockwise", "jaxmem.rewriting.blockwise", None),
     ("jaxmem.planning.budget", "jaxmem.planning.budget",
      ["plan_with_budget", "Candidate", "greedy", "exact", "Pareto", "ParetoRow"]),

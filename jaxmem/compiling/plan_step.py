@@ -30,6 +30,7 @@ from jaxmem.compiling.steps import Step, read, rewrite_key
 from jaxmem.memory import state_offload
 from jaxmem.planning import strategies
 from jaxmem.planning.budget import BudgetError, plan_with_budget
+from jaxmem.planning.costs import step_costs
 from jaxmem.planning.budget.units import TooLargeToCompile
 from jaxmem.planning.plan import Plan
 from jaxmem.rewriting.scans import loop_plan
@@ -176,6 +177,9 @@ def make_plan(options: Options, analysis: Analysis, step: Step, *, fn: Any,
     if options.verify and options.budget is None and (plan.offload or plan.recompute
                                                       or plan.inner):
         plan, compiled = _verify(options, analysis, step, plan, compiled, defer)
+    if plan.recompute or plan.offload:  # the printout's predicted cost of each mechanism
+        plan = dataclasses.replace(plan, costs=step_costs(analysis, plan,
+                                                          profile_of(step.flat)))
     return Made(plan, compiled, stream_state)
 
 

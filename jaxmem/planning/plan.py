@@ -75,6 +75,9 @@ class Plan:
     # scheduler puts them (no fence, jaxmem.rewriting.settle.fence_finished): the budget's
     # block fallback's last try on an accelerator (on XLA:CPU the fence changes nothing).
     unfenced: bool = False
+    # What the plan's recompute and offload are predicted to add to the step's time on the
+    # step's device profile (jaxmem.planning.costs.StepCosts), for the printout.
+    costs: Any = None
 
     def fingerprint(self) -> str:
         """A stable hash of what the plan makes the step do: each residual's decision (by
@@ -147,6 +150,8 @@ class Plan:
             f"  predicted recompute: {self.recompute_flops / 1e9:.4f} GFLOP "
             f"({100 * self.predicted_overhead:.2f}% of the step)",
         ]
+        if self.costs is not None:
+            lines.append(f"  {self.costs.describe()}")
         if self.predicted_peak is not None:
             lines.append(f"  predicted peak: {fmt_bytes(self.predicted_peak)}")
         if self.baseline is not None:

@@ -1,0 +1,61 @@
+"""A plan's predicted cost by mechanism (issue 38): recompute time, bytes over the host link,
+and whether the compute around the copies hides them, in the plan's printout."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+import jaxmem
+from jaxmem.analyzing.costmodel import CostModel, DeviceProfile
+from jaxmem.planning import strategies
+from jaxmem.planning.costs import step_costs
+from tests.test_offload import _step
+
+
+@pytest.fixture(scope="module")
+def analysis():
+    step, args = _step(tag=False)
+    return jaxmem.analyze(step, *args)
+
+
+def test_a_plan_that_keeps_everything_costs_nothing(analysis):
+    c = step_costs(analysis, strategies.plan_none(analysis), "h100")
+    assert (c.recompute_flops, c.recompute_s, c.offload_bytes, c.link_s, c.exposed_s) == (
+        0.0, 0.0, 0, 0.0, 0.0)
+    assert c.step_s > 0 and c.extra_s == 0.0 and c.profile == "h100"
+
+
+def test_recompute_is_priced_as_the_planner_prices_it(analysis):
+    plan = strategies.plan_auto(analysis)
+    assert plan.recompute
+    c = step_costs(analysis, plan, "cpu")
+    ev = CostModel(analysis, "cpu").evaluate(plan.recompute, plan.offload)
+    assert c.recompute_flops == ev.flops > 0
+    assert c.recompute_s == pytest.approx(ev.time) and c.offload_bytes == 0
+    assert "recompute" in c.describe() and "host link" not in c.describe()
+
+
+def test_offload_is_priced_by_the_link_and_its_window(analysis):
+    plan = strategies.plan_offload(analysis, strategies.plan_auto(analysis), offload=True)
+    off = plan.of(jaxmem.Decision.OFFLOAD)
+    assert off
+    nbytes = sum(ch.residual.nbytes for ch in off)
+    fast = DeviceProfile("fast link", 1e11, 2e10, host_bw=1e15, overlap=1.0)
+    slow = DeviceProfile("slow link", 1e11, 2e10, host_bw=1e3, overlap=0.0)
+    hidden, exposed = step_costs(analysis, plan, fast), step_costs(analysis, plan, slow)
+    assert hidden.offload_bytes == exposed.offload_bytes == nbytes
+    assert exposed.link_s == pytest.approx(2 * nbytes / 1e3)
+    assert hidden.exposed_s == 0.0 and "hidden under compute" in hidden.describe()
+    assert exposed.exposed_s > 0 and "not hidden" in exposed.describe()
+    assert exposed.extra_s == pytest.approx(exposed.recompute_s + exposed.exposed_s)
+
+
+def test_the_plan_printout_says_what_each_mechanism_costs():
+    step, args = _step(tag=True)  # three offload_name tags: offloaded whatever the budget
+    plan = jaxmem.optimize(step, donate_argnums=()).plan(*args)
+    assert plan.costs is not None and plan.costs.profile == jax.default_backend()
+    assert plan.costs.offload_bytes == sum(
+        c.residual.nbytes for c in plan.of(jaxmem.Decision.OFFLOAD))
+    text = str(plan)
+    assert "predicted cost (cpu)" in text and "host link" in text
