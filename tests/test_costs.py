@@ -59,3 +59,12 @@ def test_the_plan_printout_says_what_each_mechanism_costs():
         c.residual.nbytes for c in plan.of(jaxmem.Decision.OFFLOAD))
     text = str(plan)
     assert "predicted cost (cpu)" in text and "host link" in text
+
+
+def test_a_step_with_scan_body_policies_says_their_cost_is_left_out(analysis):
+    """The scanned layers' body policy is not a plan of the outer step: its recompute and
+    offload are not in the figures, and the printout says so."""
+    plan = strategies.plan_auto(analysis)
+    assert "not included" not in step_costs(analysis, plan, "cpu").describe()
+    assert "body policy's cost is not included" in step_costs(
+        analysis, plan, "cpu", scan_bodies=True).describe()

@@ -26,6 +26,7 @@ from jaxmem.compiling.builtin_fallbacks import builtin_within, unplanned_budget,
 from jaxmem.compiling.offload_verify import device_peak, verified_offload
 from jaxmem.compiling.options import Options
 from jaxmem.compiling.signature import profile_of
+from jaxmem.compiling.trace_step import scans
 from jaxmem.compiling.steps import Step, read, rewrite_key
 from jaxmem.memory import state_offload
 from jaxmem.planning import strategies
@@ -178,8 +179,9 @@ def make_plan(options: Options, analysis: Analysis, step: Step, *, fn: Any,
                                                       or plan.inner):
         plan, compiled = _verify(options, analysis, step, plan, compiled, defer)
     if plan.recompute or plan.offload:  # the printout's predicted cost of each mechanism
-        plan = dataclasses.replace(plan, costs=step_costs(analysis, plan,
-                                                          profile_of(step.flat)))
+        plan = dataclasses.replace(plan, costs=step_costs(
+            analysis, plan, profile_of(step.flat),
+            scan_bodies=bool(options.remat_scans) and scans(step.program.jaxpr.jaxpr)))
     return Made(plan, compiled, stream_state)
 
 

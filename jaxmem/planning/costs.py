@@ -46,6 +46,9 @@ class StepCosts:
       offload_bytes: bytes the plan parks in host memory (each crosses the link twice).
       link_s: the round trips' time over the host link (``2 x bytes / host_bw``).
       exposed_s: the part of ``link_s`` the compute around the copies cannot hide.
+      scan_bodies: the step scans layers whose bodies run under a checkpoint policy of
+        their own (:mod:`jaxmem.rewriting.scans`): what that policy recomputes and offloads
+        is not in these figures (the plan's notes name the policy).
     """
 
     profile: str
@@ -55,6 +58,7 @@ class StepCosts:
     offload_bytes: int
     link_s: float
     exposed_s: float
+    scan_bodies: bool = False
 
     @property
     def extra_s(self) -> float:
@@ -72,6 +76,8 @@ class StepCosts:
                       f"{fmt_seconds(self.exposed_s)} of it not hidden")
             line += (f"; host link {fmt_bytes(self.offload_bytes)} each way, round trip "
                      f"{fmt_seconds(self.link_s)}, {hidden}")
+        if self.scan_bodies:
+            line += " (outside the scanned layers: their body policy's cost is not included)"
         return line
 
 
@@ -95,10 +101,11 @@ def fmt_seconds(s: float) -> str:
     return f"{1e6 * s:.2f} us"
 
 
-def step_costs(analysis: Analysis, plan: Any, profile: DeviceProfile | str | None = None
-               ) -> StepCosts:
+def step_costs(analysis: Analysis, plan: Any, profile: DeviceProfile | str | None = None,
+               *, scan_bodies: bool = False) -> StepCosts:
     """The predicted costs of ``plan`` (a :class:`~jaxmem.planning.plan.Plan`) on
-    ``analysis``'s step with ``profile`` (a preset name, a profile, or None: the device)."""
+    ``analysis``'s step with ``profile`` (a preset name, a profile, or None: the device);
+    ``scan_bodies``: see :attr:`StepCosts.scan_bodies`."""
     from jaxmem.planning.lower_peaks import block_model
 
     model = block_model(CostModel(analysis, profile), plan)
@@ -109,4 +116,5 @@ def step_costs(analysis: Analysis, plan: Any, profile: DeviceProfile | str | Non
     exposed = model.transfer(plan.offload, plan.region_depth)
     return StepCosts(profile=model.profile.name, step_s=model.step_time,
                      recompute_flops=ev.flops, recompute_s=max(ev.time - ev.transfer_time, 0.0),
-                     offload_bytes=ev.offload_bytes, link_s=link, exposed_s=exposed)
+                     offload_bytes=ev.offload_bytes, link_s=link, exposed_s=exposed,
+                     scan_bodies=scan_bodies)
