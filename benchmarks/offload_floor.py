@@ -1,11 +1,13 @@
 """How far below recompute's floor does offload go? The lowest compiled peak of a scanned
 decoder with and without host offload, beside MaxText's presets (issue 38, item 2).
 
-``python -m benchmarks.offload_floor [--target h100] [--layers 16] [--batch 32]
-[--chunk-loss 8] [--seq N] [--out benchmarks/results/offload_floor]``
+``python -m benchmarks.offload_floor [--model llama_scan] [--size bench] [--target h100]
+[--layers 16] [--batch 32] [--chunk-loss 8] [--seq N] [--out benchmarks/results/offload_floor]``
 
-Compile-only on the target (abstract arguments, :mod:`jaxmem.targets`), the zoo's
-``llama_scan`` at its ``bench`` size with the given overrides, adamw, state donated. Rows:
+Compile-only on the target (abstract arguments, :mod:`jaxmem.targets`), a scanned zoo decoder
+(``llama_scan``, or the GPT ``transformer_scan`` with ``--chunk-loss 0``: it has no chunked
+loss, nor MaxText's tensor names, so only the ``plain`` and ``jaxmem`` rows mean anything
+there) at ``--size`` with the given overrides, adamw, state donated. Rows:
 
 - ``plain``: ``jax.jit(step)``;
 - ``maxtext:<preset>``: ``nn.remat(policy=preset)`` around each scanned layer, as MaxText
@@ -40,8 +42,11 @@ from jaxmem import measure
 MAXTEXT = ("full", "decoder_layer_input_offloaded", "minimal_offloaded")
 
 
+MODEL, SIZE = "llama_scan", "bench"  # --model, --size
+
+
 def _workload(policy: Any, batch: int, over: dict[str, Any], target: str) -> tuple[Any, Any]:
-    w = zoo._make("llama_scan", "bench", batch, policy, 0, abstract=True,  # noqa: SLF001
+    w = zoo._make(MODEL, SIZE, batch, policy, 0, abstract=True,  # noqa: SLF001
                   overrides=over)
     return w, jaxmem.targets.place(w.args, target)
 
@@ -74,7 +79,8 @@ def table(rec: dict[str, Any]) -> str:
     rows = {r["variant"]: r for r in rec["rows"]}
     full = rows.get("maxtext:full", {}).get("peak")
     floor = rows.get("jaxmem", {}).get("peak")
-    lines = [f"`llama_scan` bench, {rec['overrides']}, batch {rec['batch']}, target "
+    lines = [f"`{rec.get('model', 'llama_scan')}` {rec.get('size', 'bench')}, "
+             f"{rec['overrides']}, batch {rec['batch']}, target "
              f"`{rec['target']}`, at `{rec.get('git')}`. Compiled peak in MiB.", "",
              "| variant | peak MiB | vs MaxText full | vs jaxmem's floor without offload | s |",
              "|---|---:|---:|---:|---:|"]
@@ -91,6 +97,8 @@ def table(rec: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.offload_floor",
                                 description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama_scan")
+    p.add_argument("--size", default="bench")
     p.add_argument("--target", default="h100")
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--batch", type=int, default=32)
@@ -100,14 +108,20 @@ def main(argv: list[str] | None = None) -> int:
         ["plain", *(f"maxtext:{m}" for m in MAXTEXT), "jaxmem", "jaxmem offload=True"]))
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/offload_floor"))
     a = p.parse_args(argv)
-    over: dict[str, Any] = {"layers": a.layers, "chunk_loss": a.chunk_loss}
+    global MODEL, SIZE
+    MODEL, SIZE = a.model, a.size
+    over: dict[str, Any] = {"layers": a.layers}
+    if a.chunk_loss:
+        over["chunk_loss"] = a.chunk_loss
     if a.seq:
         over["seq"] = a.seq
     from benchmarks.external.__main__ import _commit
 
-    rec: dict[str, Any] = {"target": a.target, "batch": a.batch, "overrides": over,
+    rec: dict[str, Any] = {"model": a.model, "size": a.size, "target": a.target,
+                           "batch": a.batch, "overrides": over,
                            "git": _commit(), "rows": []}
-    tag = f"L{a.layers}-b{a.batch}" + (f"-s{a.seq}" if a.seq else "")
+    tag = (("" if a.model == "llama_scan" else f"{a.model}-") + ("" if a.size == "bench" else
+           f"{a.size}-") + f"L{a.layers}-b{a.batch}" + (f"-s{a.seq}" if a.seq else ""))
     a.out.mkdir(parents=True, exist_ok=True)
     for v in a.variants.split(","):
         rec["rows"].append(_row(v, a.batch, over, a.target))

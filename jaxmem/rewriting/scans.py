@@ -48,7 +48,8 @@ from jaxmem.tracing import primitives as P
 from jaxmem.tracing.program import Program
 
 __all__ = [
-    "MAXTEXT", "BodyPolicy", "BodyValue", "body_values", "candidates", "dot_key", "preset_policy",
+    "LAYER_INPUT", "MAXTEXT", "BodyPolicy", "BodyValue", "body_values", "candidates", "dot_key",
+    "preset_policy",
     "TrainBodies", "bodies_only", "loop_plan",
 ]
 
@@ -77,6 +78,13 @@ MAXTEXT: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 
 _OFFLOAD = Offloadable(src="device", dst="pinned_host")
 
+#: The name jaxmem gives a scanned layer's input (the carry the body receives) in a body
+#: that tags nothing: a policy can then offload it, as MaxText offloads its tagged
+#: ``decoder_layer_input`` (:func:`jaxmem._jax.checkpointed_scan_bodies` names it, only for
+#: a policy that refers to it: :attr:`BodyPolicy.names_layer_input`).
+LAYER_INPUT = "jaxmem_layer_input"
+LAYER_KEY: Key = ("name", LAYER_INPUT)
+
 
 def dot_key(avals: Sequence[Any], params: dict[str, Any]) -> tuple[Any, ...]:
     """A matmul's signature as a policy sees it: input shapes and dtypes, dimension numbers."""
@@ -100,6 +108,12 @@ class BodyPolicy:
     save: tuple[Key, ...] = ()
     offload: tuple[Key, ...] = ()
     base: str = "none"
+
+    @property
+    def names_layer_input(self) -> bool:
+        """Whether the policy keeps or offloads :data:`LAYER_INPUT` (the body's input must
+        then be named so, :func:`jaxmem._jax.checkpointed_scan_bodies`)."""
+        return LAYER_KEY in self.save or LAYER_KEY in self.offload
 
     def __call__(self, prim: Any, *avals: Any, **params: Any) -> Any:
         key = self._key(prim, avals, params)
@@ -208,12 +222,28 @@ def body_values(program: Program) -> list[BodyValue]:
     layer.
     """
     found: dict[Key, list] = {}
+    carries = 0
     for node in program.nodes:
         if node.primitive == "scan" and node.phase == "forward" and node.eqn is not None:
-            _walk(node.eqn.params["jaxpr"].jaxpr, int(node.eqn.params.get("length", 1)), found)
-    names = {k: v for k, v in found.items() if k[0] == "name"}
-    chosen = names or found
-    return [BodyValue(k, label, int(b), float(f)) for k, (label, b, f) in chosen.items()]
+            trips = int(node.eqn.params.get("length", 1))
+            _walk(node.eqn.params["jaxpr"].jaxpr, trips, found)
+            carries += trips * _carry_bytes(node.eqn)
+    names = {k: v for k, v in found.items() if k[0] == "name" and k != LAYER_KEY}
+    if names:
+        return [BodyValue(k, label, int(b), float(f)) for k, (label, b, f) in names.items()]
+    out = [BodyValue(k, label, int(b), float(f)) for k, (label, b, f) in found.items()
+           if k != LAYER_KEY]
+    if out and carries:  # an untagged body: its input can be offloaded under LAYER_INPUT
+        out.append(BodyValue(LAYER_KEY, "layer input", carries, 0.0))
+    return out
+
+
+def _carry_bytes(eqn: Any) -> int:
+    """Bytes of the floating carry a scan's body receives (a scanned layer's input)."""
+    n, k = int(eqn.params.get("num_consts", 0)), int(eqn.params.get("num_carry", 0))
+    avals = [v.aval for v in eqn.invars[n:n + k]]
+    return sum(P.nbytes(a) for a in avals
+               if jax.numpy.issubdtype(getattr(a, "dtype", None) or "int32", jax.numpy.floating))
 
 
 def _maxtext(values: Iterable[BodyValue], offload: bool) -> list[BodyPolicy]:
@@ -241,13 +271,18 @@ def candidates(values: Sequence[BodyValue], *, offload: bool = False) -> list[Bo
     """
     if not values:
         return []
+    layer = tuple(v.key for v in values if v.key == LAYER_KEY)  # an untagged body's input
+    values = [v for v in values if v.key != LAYER_KEY]
     order = sorted(values, key=lambda v: (-(v.flops / max(v.nbytes, 1)), v.nbytes, v.label))
     out = [BodyPolicy("everything", base="everything"), BodyPolicy("utility", base="utility")]
     for k in range(len(order), -1, -1):
         keep = tuple(v.key for v in order[:k])
         out.append(BodyPolicy("full" if k == 0 else f"ladder-{k}", save=keep))
+        if offload and layer:  # the rung re-run from its input, parked in host memory
+            out.append(BodyPolicy(("full" if k == 0 else f"ladder-{k}") + "+input offloaded",
+                                  save=keep, offload=layer))
         if offload and k < len(order):
-            rest = tuple(v.key for v in order[k:])
+            rest = tuple(v.key for v in order[k:]) + layer
             out.append(BodyPolicy(f"ladder-{k}+offload", save=keep, offload=rest))
     out += _mixes(order)
     out += _maxtext(values, offload)
