@@ -66,9 +66,9 @@ def _ranked_run(monkeypatch, compiled_peaks: dict[str, int], verify=True,
     monkeypatch.setattr(choose, "CostModel", _Model)
     monkeypatch.setattr(choose, "rewrite_candidates", lambda *a: list(cands))
     monkeypatch.setattr(choose, "builtin_candidates", lambda *a: ([], ()))
-    monkeypatch.setattr(choose, "compile_candidates", lambda step, cs, cap=None: (
+    monkeypatch.setattr(choose, "compile_candidates", lambda step, cs: (
         Compiled(None, _fig(100, 1000.0), None, None), compiled(cs)))
-    monkeypatch.setattr(choose, "compile_more", lambda step, cs, keeper=None: compiled(cs))
+    monkeypatch.setattr(choose, "compile_more", lambda step, cs: compiled(cs))
     monkeypatch.setattr(choose, "_kept", lambda best, base, tried, skipped, step: (
         "kept", best.candidate.plan.strategy, list(tried), skipped))
     monkeypatch.setattr(choose, "_plain_kept", lambda plan, analysis, best, base, skipped: (
@@ -135,34 +135,3 @@ def test_plans_tied_with_the_last_of_the_best_predicted_are_compiled_too(monkeyp
     first, rest = choose.ranked(cands, None)
     assert [c.plan.strategy for c in first] == ["a", "b", "c", "e"]
     assert [c.plan.strategy for c in rest] == ["d", "f"]
-
-
-def test_keeper_holds_only_the_candidates_that_can_still_be_chosen(monkeypatch):
-    """As candidates compile, the plain step's program and executable are held, and those of
-    the candidates within the FLOP cap whose peak is within PEAK_TIE of the lowest so far;
-    every other one is let go at once, or as soon as a lower one compiles (issue 37:
-    planning's host memory). Every candidate's figures are kept."""
-    from jaxmem.compiling import choose
-    from jaxmem.xla.measure import PEAK_TIE
-
-    figs = {"plain": _fig(100_000, 1000.0), "a": _fig(90_000, 1000.0),
-            "b": _fig(60_000, 1010.0), "c": _fig(60_000 + int(60_000 * PEAK_TIE), 1000.0),
-            "d": _fig(80_000, 1000.0), "e": _fig(50_000, 1100.0),  # +10% FLOPs: over the cap
-            "f": _fig(70_000, 1000.0)}
-    monkeypatch.setattr(choose, "read", lambda exe, jitted, flat: figs[exe])
-    names = list(figs)
-    cands = [Candidate(SimpleNamespace(strategy=n), None, None) for n in names]
-    keeper = choose._Keeper(SimpleNamespace(flat=[]), cands, 0.05, plain_first=True)
-    held_after = []
-    for i, n in enumerate(names):
-        assert keeper(i, "lowered " + n, n) in ((None, None), ("lowered " + n, n))
-        held_after.append(sorted(names[j] for j in keeper.held))
-    assert held_after[1] == ["a", "plain"]
-    assert held_after[2] == ["b", "plain"]  # a let go once b is lower
-    assert held_after[-1] == ["b", "c", "plain"]  # the tie held; e over the cap never held
-    out = keeper.compiled()
-    assert [c.figures for c in out] == list(figs.values())
-    assert {c.candidate.plan.strategy for c in out if c.exe is not None} == {"plain", "b", "c"}
-    best = [c for c in out[1:] if c.figures.flops <= 1050.0]
-    from jaxmem.xla.measure import lowest
-    assert best[lowest([c.figures for c in best])].exe is not None  # what verified keeps

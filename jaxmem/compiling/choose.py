@@ -79,14 +79,11 @@ def verified(plan: Plan, analysis: Analysis, step: Step, options: Options) -> tu
     builtins, skipped = builtin_candidates(analysis, step, plan.donated)
     first, rest = (cands, []) if options.verify == "all" else ranked(cands, analysis)
     first, rest = with_rewritten_best(first, rest, step, analysis.platform)
+    base, compiled = compile_candidates(step, first + builtins)
     cap = options.max_recompute_fraction
-    base, compiled = compile_candidates(step, first + builtins, cap)
     compiled, over = within_cap(compiled, base.figures, cap)
     if rest and not any(c.figures.peak < base.figures.peak for c in compiled):
-        floor = min((c.figures.peak for c in compiled), default=None)
-        more, more_over = within_cap(
-            compile_more(step, rest, _Keeper(step, rest, cap, base=base.figures,
-                                             floor=floor)), base.figures, cap)
+        more, more_over = within_cap(compile_more(step, rest), base.figures, cap)
         compiled, over = compiled + more, over + more_over
         first, rest = first + rest, []
     label = dict(zip(map(id, cands + builtins), _named(cands + builtins), strict=True))
@@ -275,87 +272,26 @@ def builtin_candidates(analysis: Analysis, step: Step, donated: tuple[int, ...]
     return out, skipped
 
 
-def compile_candidates(step: Step, cands: list[Candidate], cap: float | None = None
-                       ) -> tuple[Compiled, list[Compiled]]:
+def compile_candidates(step: Step, cands: list[Candidate]) -> tuple[Compiled, list[Compiled]]:
     """The plain step and ``cands`` compiled side by side in threads, for their figures
-    only (:mod:`.quick_compile`): the winner alone is compiled in full to run. ``cap``:
-    the FLOP cap the choice applies (:func:`within_cap`); the programs and executables of
-    candidates that cannot be chosen are let go as they compile (:class:`_Keeper`)."""
+    only (:mod:`.quick_compile`): the winner alone is compiled in full to run."""
     plain = Candidate(None, step.plain, cancellable(functools.partial(step.plain.lower,
                                                                       *step.flat)))
-    keeper = _Keeper(step, [plain] + cands, cap, plain_first=True)
-    base, *compiled = compile_more(step, [plain] + cands, keeper)
+    base, *compiled = compile_more(step, [plain] + cands)
     return base, compiled
 
 
-def compile_more(step: Step, cands: list[Candidate], keeper: _Keeper | None = None
-                 ) -> list[Compiled]:
-    """``cands`` compiled side by side in threads, for their figures only; ``keeper``
-    decides which programs and executables are held (default: every one)."""
-    keeper = keeper or _Keeper(step, cands, None)
-    quick_compile.compile_all([c.lower for c in cands], consume=keeper)
-    return keeper.compiled()
-
-
-class _Keeper:
-    """What :func:`compile_more` holds while candidates compile: each one's figures, read as
-    soon as it is compiled, and the lowered program and executable only of those that can
-    still be chosen: within the FLOP cap (:func:`within_cap`, when ``cap`` and the plain
-    step's figures are known) and within :data:`PEAK_TIE` of the lowest such peak so far
-    (:func:`jaxmem.xla.measure.lowest` picks among those); the plain step's always
-    (``plain_first``: it is the first candidate; it runs when nothing is lower). A cold
-    ``verify=True`` compiles up to a dozen programs; held at once, their executables were
-    most of planning's host memory (issue 37). ``floor``: the lowest peak among candidates
-    compiled before, which a later batch must come within to be held."""
-
-    def __init__(self, step: Step, cands: list[Candidate], cap: float | None, *,
-                 plain_first: bool = False, base: Figures | None = None,
-                 floor: int | None = None) -> None:
-        self.step, self.cands, self.cap = step, cands, cap
-        self.plain_first, self.base, self.low = plain_first, base, floor
-        self.figs: dict[int, Figures] = {}
-        self.held: dict[int, tuple[Any, Any]] = {}
-
-    def _choosable(self, fig: Figures) -> bool:
-        base = self.base
-        if self.cap is None or base is None or base.flops_source != "xla" or not base.flops:
-            return True
-        return not (fig.flops_source == "xla" and fig.flops / base.flops - 1.0
-                    > self.cap + 1e-9)
-
-    def __call__(self, i: int, lowered: Any, exe: Any) -> tuple[Any, Any]:
-        fig = read(exe, self.cands[i].jitted, self.step.flat)
-        self.figs[i] = fig
-        if self.plain_first and i == 0:
-            self.base = fig
-            self.held[i] = (lowered, exe)
-            return lowered, exe
-        if not self._choosable(fig):
-            return None, None
-        if self.low is None or fig.peak < self.low:
-            self.low = fig.peak
-        tie = self.low + self.low * PEAK_TIE
-        for j in [j for j in self.held if j != 0 or not self.plain_first]:
-            if self.figs[j].peak > tie:
-                del self.held[j]
-        if fig.peak > tie:
-            return None, None
-        self.held[i] = (lowered, exe)
-        return lowered, exe
-
-    def compiled(self) -> list[Compiled]:
-        """Every candidate's figures; the programs and executables still held."""
-        return [Compiled(c, self.figs[i], *self.held.get(i, (None, None)))
-                for i, c in enumerate(self.cands)]
+def compile_more(step: Step, cands: list[Candidate]) -> list[Compiled]:
+    """``cands`` compiled side by side in threads, for their figures only."""
+    lowered, exes = quick_compile.compile_all([c.lower for c in cands])
+    return [Compiled(c, read(exe, c.jitted, step.flat), low, exe) for c, low, exe in
+            zip(cands, lowered, exes, strict=True)]
 
 
 def _kept(best: Compiled, base: Figures, tried: list[str], skipped: tuple[str, ...],
           step: Step) -> tuple[Plan, Any]:
     """The winning candidate, compiled in full to run, with its figures and notes."""
     plan, fig = best.candidate.plan, best.figures
-    if best.exe is None:  # let go while compiling (not expected: _Keeper holds the best)
-        lowered = best.candidate.lower()
-        best = best._replace(lowered=lowered, exe=quick_compile.compile(lowered))
     exe = quick_compile.finish(best.lowered, best.exe)
     if exe is not best.exe:  # figures of what runs: the same, or warned
         fig = quick_compile.checked(fig, read(exe, best.candidate.jitted, step.flat))

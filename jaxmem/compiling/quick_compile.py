@@ -16,7 +16,6 @@ the backend level did not shorten the compile (docs/plan_cache.md).
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import logging
 import os
@@ -68,43 +67,21 @@ def checked(quick: Any, full: Any) -> Any:
 
 
 def compile_all(lowerings: Sequence[Callable[[], Any]],
-                compile_fn: Callable[[Any], Any] = compile,
-                consume: Callable[[int, Any, Any], tuple[Any, Any]] | None = None
-                ) -> tuple[list[Any], list[Any]]:
+                compile_fn: Callable[[Any], Any] = compile) -> tuple[list[Any], list[Any]]:
     """Lower each thunk and compile it with ``compile_fn``, in threads; returns the lowered
     programs and their executables, in order.
 
     Lowering holds the GIL and XLA's compile does not, so each program is handed to the pool
     as soon as it is lowered: the next one lowers while the last compiles.
-    ``JAXMEM_COMPILE_THREADS`` caps the threads (1: one after another).
-
-    ``consume(i, lowered, executable) -> (lowered, executable)``: called in order as soon as
-    program ``i`` is compiled; what it returns is what the lists hold (``None`` lets a
-    program and its executable go, issue 37: planning's host memory). With it at most one
-    program more than there are threads is lowered or compiling at a time, so the host
-    memory held is that, plus what ``consume`` keeps."""
-    consume = consume or (lambda i, low, exe: (low, exe))
+    ``JAXMEM_COMPILE_THREADS`` caps the threads (1: one after another)."""
     workers = int(os.environ.get("JAXMEM_COMPILE_THREADS", 0)) or min(len(lowerings),
                                                                       os.cpu_count() or 1)
-    out: list[tuple[Any, Any]] = []
     if workers <= 1 or len(lowerings) <= 1:
-        for i, f in enumerate(lowerings):
-            low = f()
-            out.append(consume(i, low, compile_fn(low)))
-            del low
-    else:
-        pending: collections.deque = collections.deque()
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            for i, f in enumerate(lowerings):
-                low = f()
-                pending.append((i, low, pool.submit(compile_fn, low)))
-                del low
-                while len(pending) > workers:
-                    j, low_j, fut = pending.popleft()
-                    out.append(consume(j, low_j, fut.result()))
-                    del low_j, fut
-            while pending:
-                j, low_j, fut = pending.popleft()
-                out.append(consume(j, low_j, fut.result()))
-                del low_j, fut
-    return [o[0] for o in out], [o[1] for o in out]
+        lowered = [f() for f in lowerings]
+        return lowered, [compile_fn(x) for x in lowered]
+    lowered, futures = [], []
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        for f in lowerings:
+            lowered.append(f())
+            futures.append(pool.submit(compile_fn, lowered[-1]))
+        return lowered, [fut.result() for fut in futures]
