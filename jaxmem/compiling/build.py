@@ -55,7 +55,7 @@ def build(opt: Any, options: Options, fn: Callable[..., Any], args: tuple[Any, .
     else:
         made = make_plan(options, analysis, step, fn=fn, warn=warn, body=traced.body,
                          loop_plans=traced.loop_plans, defer=defer,
-                         bodies_lowest=traced.bodies_lowest)
+                         bodies_budget=traced.bodies_budget)
         deferred = defer and bool(made.plan.recompute) and not made.plan.offload
         first = made.plan  # the plan the verification starts from (its donation, notes)
         made = made._replace(plan=_noted(made.plan, traced.lean_notes + not_donated,

@@ -79,17 +79,22 @@ def _fitting_builtins(error: BudgetError, step: Step) -> tuple[list[tuple], int]
 
 
 def unplanned_budget(plan: Plan, analysis: Analysis, step: Step, budget: Any,
-                     fn: Any, planned: Any = None, searched: int | None = None
+                     fn: Any, planned: Any = None, bodies: Any = None
                      ) -> tuple[Plan, Any]:
     """A budget on a step with nothing to plan (no backward pass at the top level, or
     ``strategy="none"``): the plain step runs, so its compiled peak must fit, or
     ``BudgetError`` (a budget is a guarantee, never a hint). ``planned``: the step with
-    its loop or shard_map bodies planned, which runs if its compiled peak fits; ``searched``:
-    the lowest peak a body's budget search compiled, where it missed (the error's minimum
-    when lower). ``fn``: the user's step (named in the error)."""
+    its loop or shard_map bodies planned, which runs if its compiled peak fits; ``bodies``:
+    the :class:`~jaxmem.compiling.shard_map.StepBudget` the ``shard_map`` bodies were
+    planned for, whose plain step is compiled already and whose lowest peak, where a body's
+    search missed, is the error's minimum when lower. ``fn``: the user's step (named in the
+    error)."""
     flat = step.flat
-    exe = measure.compile(step.plain.lower(*flat))
-    base = read(exe, step.plain, flat)
+    if bodies is not None:
+        exe, base = bodies.compiled_plain()
+    else:
+        exe = measure.compile(step.plain.lower(*flat))
+        base = read(exe, step.plain, flat)
     requested = resolve_budget(budget, base.peak)
     if planned is not None:  # bodies planned as steps of their own (loops, shard_map)
         planned_exe = measure.compile(planned.lower(*flat))
@@ -103,6 +108,7 @@ def unplanned_budget(plan: Plan, analysis: Analysis, step: Step, budget: Any,
             return dataclasses.replace(plan, budget=requested, notes=plan.notes + (note,),
                                        compiled=fig, baseline=base), planned_exe
         if base.peak > requested:
+            searched = bodies.lowest if bodies is not None else None
             low = min(fig.peak, base.peak, searched or base.peak)
             budget_notes = tuple(n for q in plan.inner for n in q.notes if "budget" in n)
             raise BudgetError(

@@ -143,15 +143,15 @@ def first_plan(analysis: Analysis, options: Options, fn: Any,
 def make_plan(options: Options, analysis: Analysis, step: Step, *, fn: Any,
               warn: Callable[[str], None], body: Any = None,
               loop_plans: tuple[Any, ...] = (), defer: bool = False,
-              bodies_lowest: int | None = None) -> Made:
+              bodies_budget: Any = None) -> Made:
     """Plan the step (compiling candidates on its target); the chosen plan's executable
     when one was compiled on the way; whether the optimizer state streams from host
     memory (``offload_state``). ``loop_plans``: the plans of loop and shard_map bodies
     planned as steps of their own (:mod:`.trace_step`). ``body``: a budget's scan-body
     choice (:mod:`.scan_budget`). ``defer``: leave the candidates' verifying compiles to
     the caller (``verify="background"``). ``fn``, ``warn``: for :func:`first_plan`.
-    ``bodies_lowest``: the lowest peak a ``shard_map`` body's budget search reached, where
-    it missed (:attr:`jaxmem.compiling.trace_step.Traced.bodies_lowest`)."""
+    ``bodies_budget``: the budget the ``shard_map`` bodies were planned for
+    (:attr:`jaxmem.compiling.trace_step.Traced.bodies_budget`)."""
     donated, compiled = step.donated, None
     plan = dataclasses.replace(first_plan(analysis, options, fn, warn, loop_plans),
                                donated=donated)
@@ -173,7 +173,7 @@ def make_plan(options: Options, analysis: Analysis, step: Step, *, fn: Any,
     if options.budget is not None and not planning:
         plan, compiled = unplanned_budget(plan, analysis, step, options.budget, fn,
                                           step.rewrite(plan) if plan.inner else None,
-                                          bodies_lowest)
+                                          bodies_budget)
     plan = dataclasses.replace(plan, notes=plan.notes + logits_notes(analysis))
     if options.verify and options.budget is None and (plan.offload or plan.recompute
                                                       or plan.inner):

@@ -176,8 +176,9 @@ class StepBudget:
     Attributes:
       spec: the budget as given to ``optimize`` (bytes, a string, a fraction of the plain
         step's peak).
-      plain: ``() -> Figures`` of the user's step under plain ``jax.jit`` (its donation),
-        compiled on first use.
+      compiled_plain: ``() -> (executable, Figures)`` of the user's step under plain
+        ``jax.jit`` (its donation), compiled on first use and once: the budget check of
+        the whole step runs that executable where the plain step fits.
       compile: ``(eqn, body) -> Figures`` of the whole step with ``eqn``'s body replaced by
         ``body`` (flat per-device inputs -> flat outputs), compiled the same way.
       lowest: the lowest whole-step peak a body's budget search reached where it missed (a
@@ -186,10 +187,14 @@ class StepBudget:
     """
 
     spec: Any
-    plain: Callable[[], Figures]
+    compiled_plain: Callable[[], tuple[Any, Figures]]
     compile: Callable[[Any, Callable[..., Any]], Figures]
     lowest: int | None = None
     why: str = ""
+
+    def plain(self) -> Figures:
+        """The plain step's figures."""
+        return self.compiled_plain()[1]
 
     @property
     def requested(self) -> int:

@@ -23,11 +23,12 @@ from jaxmem.compiling.donation import decide
 from jaxmem.compiling.options import Options
 from jaxmem.compiling.scan_budget import auto_choice, choose_for
 from jaxmem.compiling.shard_map import BodyPlanner, StepBudget, plan_bodies
-from jaxmem.compiling.steps import figures, plain_jit
+from jaxmem.compiling.steps import figures, plain_jit, read
 from jaxmem.rewriting.policies import utility
 from jaxmem.rewriting.scans import TrainBodies
 from jaxmem.tracing import structure
 from jaxmem.tracing.program import Program, flat_donated, trace
+from jaxmem.xla import measure
 
 
 class Traced(NamedTuple):
@@ -37,9 +38,9 @@ class Traced(NamedTuple):
     loop_plans: tuple[Any, ...]  # plans of loop and shard_map bodies planned on their own
     body: Any  # a budget's scan-body choice (scan_budget.BodyChoice), or None
     lean_notes: tuple[str, ...]  # the notes of the leaner body policy chosen without one
-    # under a budget, the lowest whole-step peak a shard_map body's budget search compiled
-    # where it missed the budget (None: no such search, or it met the budget)
-    bodies_lowest: int | None = None
+    # under a budget on a step with shard_map bodies: the whole step's budget they were
+    # planned for (its plain step compiled once; the lowest peak a body's search reached)
+    bodies_budget: StepBudget | None = None
 
 
 def trace_step(opt: Any, options: Options, fn: Callable[..., Any],
@@ -49,7 +50,7 @@ def trace_step(opt: Any, options: Options, fn: Callable[..., Any],
     choice compiles candidates through (:func:`jaxmem.compiling.scan_budget.choose_for`)."""
     body = None  # a budget picks the scan bodies' policy too (jaxmem.compiling.scan_budget)
     lean = None  # no budget: a leaner body policy within the FLOP cap, compile-checked
-    program, loop_plans, lowest = traced(type(opt), options, fn, dyn_args, kwargs)
+    program, loop_plans, bodies_budget = traced(type(opt), options, fn, dyn_args, kwargs)
     # Only a step that scans can have a body policy to choose: the choice traces the
     # step again under each candidate, so a step without a scan skips it (one trace).
     if (options.remat_scans is True and options.strategy != "none"
@@ -59,20 +60,21 @@ def trace_step(opt: Any, options: Options, fn: Callable[..., Any],
         elif options.verify:
             lean = auto_choice(opt, fn, dyn_args, kwargs)
         if body or lean:
-            program, loop_plans, lowest = traced(type(opt), options, fn, dyn_args, kwargs,
+            program, loop_plans, bodies_budget = traced(type(opt), options, fn, dyn_args, kwargs,
                                          body.policy if body else lean[0])
-    return Traced(structure.label(program), loop_plans, body, lean[1] if lean else (), lowest)
+    return Traced(structure.label(program), loop_plans, body, lean[1] if lean else (),
+                  bodies_budget)
 
 
 def traced(optimizer: Callable[..., Any], options: Options, fn: Callable[..., Any],
            dyn_args: tuple[Any, ...], kwargs: dict[str, Any],
-           policy: Any = None) -> tuple[Program, tuple[Any, ...], int | None]:
+           policy: Any = None) -> tuple[Program, tuple[Any, ...], StepBudget | None]:
     """The step's program, and the plans of the loop and shard_map bodies planned as
     steps of their own on the way; scan bodies under jax.checkpoint(policies.utility)
     when ``remat_scans`` (the joint rewrite keeps a scan whole), or under ``policy`` (or
     the policy ``remat_scans`` is). ``optimizer``: makes the ``Optimized`` of a body.
-    Third: under a budget, the lowest whole-step peak a ``shard_map`` body's budget search
-    compiled where it missed (:attr:`Traced.bodies_lowest`)."""
+    Third: under a budget, the budget the ``shard_map`` bodies were planned for
+    (:attr:`Traced.bodies_budget`; None without a budget)."""
     if options.remat_scans and options.strategy != "none":
         policy = policy or (utility if options.remat_scans is True else options.remat_scans)
         bodies = TrainBodies(lambda body: optimizer(  # gradient-accumulation loops
@@ -86,7 +88,7 @@ def traced(optimizer: Callable[..., Any], options: Options, fn: Callable[..., An
         program = plan_bodies(program, sharded)
         loop_plans = tuple(bodies.plans) + tuple(sharded.plans)
         if program.has_backward or loop_plans:
-            return program, loop_plans, sharded.budget and sharded.budget.lowest
+            return program, loop_plans, sharded.budget
     return trace(fn, *dyn_args, **kwargs), (), None  # nothing differentiated: untouched
 
 
@@ -98,8 +100,12 @@ def _step_budget(options: Options, fn: Callable[..., Any], dyn_args: tuple[Any, 
     donate = flat_donated(dyn_args, decide(options.donate_argnums, dyn_args,
                                            program).argnums)
     flat, in_tree = jax.tree_util.tree_flatten((dyn_args, kwargs))
-    plain = functools.cache(lambda: figures(plain_jit(fn, in_tree, donate, options.jit_kwargs),
-                                            flat))
+    jitted = plain_jit(fn, in_tree, donate, options.jit_kwargs)
+
+    @functools.cache
+    def plain() -> tuple[Any, Any]:
+        exe = measure.compile(jitted.lower(*flat))
+        return exe, read(exe, jitted, flat)
 
     def compile_with(eqn: Any, body: Callable[..., Any]) -> Any:
         step = plan_bodies(program, lambda e: body if e is eqn else None)
