@@ -74,6 +74,10 @@ def _row(variant: str, batch: int, over: dict[str, Any], target: str) -> dict[st
     return row
 
 
+def _change(peak: int | None, ref: int | None) -> str:
+    return f"{100 * (peak / ref - 1):+.1f}%" if peak and ref else ""
+
+
 def table(rec: dict[str, Any]) -> str:
     """The markdown table of a record."""
     rows = {r["variant"]: r for r in rec["rows"]}
@@ -86,9 +90,9 @@ def table(rec: dict[str, Any]) -> str:
              "|---|---:|---:|---:|---:|"]
     for r in rec["rows"]:
         pk = r.get("peak")
-        cell = lambda ref: (f"{100 * (pk / ref - 1):+.1f}%" if pk and ref else "")  # noqa: E731
-        lines.append(f"| {r['variant']} | {pk / 2**20:.1f} | {cell(full)} | {cell(floor)} "
-                     f"| {r['seconds']} |" if pk else f"| {r['variant']} | - | | | |")
+        lines.append(f"| {r['variant']} | {pk / 2**20:.1f} | {_change(pk, full)} | "
+                     f"{_change(pk, floor)} | {r['seconds']} |" if pk
+                     else f"| {r['variant']} | - | | | |")
     lines += ["", "`jaxmem` rows: the lowest peak the budget search compiled under a budget "
               "nothing meets (its floor), with and without offload among its mechanisms."]
     return "\n".join(lines) + "\n"

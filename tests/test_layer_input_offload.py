@@ -32,7 +32,7 @@ def test_untagged_bodies_offer_their_input_to_offload_only():
     assert {"full+input offloaded", "ladder-1+input offloaded"} <= set(with_off)
     assert LAYER_KEY in with_off["ladder-1+offload"].offload
     without = candidates(values)
-    assert not any(p.names_layer_input for p in without)  # nothing changes without offload
+    assert not any(p.layer_input_name for p in without)  # nothing changes without offload
 
 
 @pytest.mark.parametrize("name", ["transformer_scan", "llama_scan"])

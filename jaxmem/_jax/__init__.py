@@ -24,7 +24,7 @@ monkeypatches ``jaxmem._jax.<name>`` reaches every caller). One module per topic
   ``lax.scan`` and ``jax.grad`` patches (checkpointed scan bodies and losses).
 """
 
-from jaxmem._jax.avals import aval_memory_space, shards, varying_axes
+from jaxmem._jax.avals import aval_memory_space, is_floating, shards, varying_axes
 from jaxmem._jax.backends import (
     cuda_plugin_installed,
     default_backend_initialized,
@@ -103,7 +103,8 @@ __all__ = [
     "default_backend_initialized", "device_space", "extend_name_stack",
     "gpu_client_options_from_env", "has_visible_nvidia_gpu", "has_visible_tpu", "host_space",
     "initialized_platforms", "is_backward", "is_dropvar", "is_forward", "is_literal",
-    "is_tracer", "jaxpr_fun", "jaxprs_in_params", "jit_inlinable", "libtpu_installed", "live_only",
+    "is_floating", "is_tracer", "jaxpr_fun", "jaxprs_in_params", "jit_inlinable",
+    "libtpu_installed", "live_only",
     "literal_value", "lowered_platform", "memory_kinds", "name_p", "name_stack",
     "name_stack_str", "only_known_plugins", "optimization_barrier_p", "primitives",
     "replace_params", "saved_residuals", "scopes", "scopes_of", "shard_buffers",

@@ -2,7 +2,8 @@
 :mod:`jaxmem._jax`).
 
 Its memory space (device or host), the manual mesh axes it varies over inside
-``shard_map``, and into how many pieces its sharding in types splits it across devices.
+``shard_map``, into how many pieces its sharding in types splits it across devices, and
+whether its dtype is a floating one.
 """
 
 from __future__ import annotations
@@ -44,3 +45,13 @@ def shards(aval: Any) -> int:
             if axis is not None and axis in explicit:
                 n *= int(mesh.shape[axis])
     return n
+
+
+def is_floating(x: Any) -> bool:
+    """Whether ``x`` (an array, tracer or aval) has a floating dtype; False for extended
+    dtypes (PRNG keys) and for what has no dtype."""
+    dtype = getattr(x, "dtype", None)
+    try:
+        return dtype is not None and bool(jax.numpy.issubdtype(dtype, jax.numpy.floating))
+    except TypeError:  # extended dtypes (PRNG keys) in some jax versions
+        return False

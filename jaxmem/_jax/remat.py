@@ -85,8 +85,9 @@ def checkpointed_scan_bodies(policy: Any, plan_body: Any = None) -> Iterator[Non
                 planned = plan_body(f, args, kwargs)
                 if planned is not None:
                     return orig(planned, *args, **kwargs)
-            if getattr(policy, "names_layer_input", False):
-                f = _layer_input_named(f)
+            name = getattr(policy, "layer_input_name", None)
+            if name:
+                f = _layer_input_named(f, name)
             return orig(jax.checkpoint(f, policy=policy, prevent_cse=False), *args, **kwargs)
         return scan
 
@@ -98,20 +99,20 @@ def checkpointed_scan_bodies(policy: Any, plan_body: Any = None) -> Iterator[Non
             jax.lax.scan, loops.scan = original, original_loops
 
 
-def _layer_input_named(f: Any) -> Any:
-    """``f(carry, x)`` with each floating leaf of ``carry`` tagged
-    ``checkpoint_name(..., "jaxmem_layer_input")`` (:data:`jaxmem.rewriting.scans.LAYER_INPUT`):
-    under ``jax.checkpoint`` a policy that offloads the tagged copy leaves the untagged input
+def _layer_input_named(f: Any, name: str) -> Any:
+    """``f(carry, x)`` with each floating leaf of ``carry`` tagged ``checkpoint_name(...,
+    name)`` (the policy's :attr:`jaxmem.rewriting.scans.BodyPolicy.layer_input_name`): under
+    ``jax.checkpoint`` a policy that offloads the tagged copy leaves the untagged input
     unread by the backward pass, so the layer's input is parked in host memory, as MaxText
     does with a layer that tags its own ``decoder_layer_input``."""
     import functools
 
     from jax.ad_checkpoint import checkpoint_name
 
+    from jaxmem._jax.avals import is_floating
+
     def tag(c: Any) -> Any:
-        floating = jax.numpy.issubdtype(getattr(c, "dtype", None) or "int32",
-                                        jax.numpy.floating)
-        return checkpoint_name(c, "jaxmem_layer_input") if floating else c
+        return checkpoint_name(c, name) if is_floating(c) else c
 
     @functools.wraps(f)
     def named(carry: Any, x: Any) -> Any:

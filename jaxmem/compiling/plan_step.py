@@ -26,13 +26,13 @@ from jaxmem.compiling.builtin_fallbacks import builtin_within, unplanned_budget,
 from jaxmem.compiling.offload_verify import device_peak, verified_offload
 from jaxmem.compiling.options import Options
 from jaxmem.compiling.signature import profile_of
-from jaxmem.compiling.trace_step import scans
 from jaxmem.compiling.steps import Step, read, rewrite_key
+from jaxmem.compiling.trace_step import scans
 from jaxmem.memory import state_offload
 from jaxmem.planning import strategies
 from jaxmem.planning.budget import BudgetError, plan_with_budget
-from jaxmem.planning.costs import step_costs
 from jaxmem.planning.budget.units import TooLargeToCompile
+from jaxmem.planning.costs import step_costs
 from jaxmem.planning.plan import Plan
 from jaxmem.rewriting.scans import loop_plan
 from jaxmem.xla import measure

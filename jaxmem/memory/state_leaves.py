@@ -13,18 +13,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import jax
-
 from jaxmem.memory import param_offload
 from jaxmem.tracing.program import Program
-
-
-def _is_float(x: Any) -> bool:
-    dtype = getattr(x, "dtype", None)
-    try:
-        return dtype is not None and jax.numpy.issubdtype(dtype, jax.numpy.floating)
-    except TypeError:  # extended dtypes (PRNG keys)
-        return False
 
 
 def _nbytes(x: Any) -> int:

@@ -61,7 +61,6 @@ from jaxmem.memory import param_offload
 from jaxmem.memory.state_layout import _external, _last_gradient, _layout
 from jaxmem.memory.state_leaves import (
     _fractions,
-    _is_float,
     _nbytes,
     _pair_outputs,
     _param_bytes,
@@ -180,7 +179,7 @@ def select(program: Program, args: Any, outs: Any, mode: bool | str | Predicate
                     f" {getattr(leaf, 'shape', '')} is read by the forward or backward pass; "
                     "only optimizer state (read by the update alone) can live in host memory. "
                     "Narrow the predicate (e.g. to paths under 'opt_state').")
-        elif not (_is_float(leaf) and _nbytes(leaf) >= MIN_BYTES and vid in program.users
+        elif not (_jax.is_floating(leaf) and _nbytes(leaf) >= MIN_BYTES and vid in program.users
                   and (vid not in read_by_model or (mode == "all" and vid in by_update))):
             continue
         chosen.append(pos)

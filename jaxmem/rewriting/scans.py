@@ -81,7 +81,7 @@ _OFFLOAD = Offloadable(src="device", dst="pinned_host")
 #: The name jaxmem gives a scanned layer's input (the carry the body receives) in a body
 #: that tags nothing: a policy can then offload it, as MaxText offloads its tagged
 #: ``decoder_layer_input`` (:func:`jaxmem._jax.checkpointed_scan_bodies` names it, only for
-#: a policy that refers to it: :attr:`BodyPolicy.names_layer_input`).
+#: a policy that refers to it: :attr:`BodyPolicy.layer_input_name`).
 LAYER_INPUT = "jaxmem_layer_input"
 LAYER_KEY: Key = ("name", LAYER_INPUT)
 
@@ -110,10 +110,10 @@ class BodyPolicy:
     base: str = "none"
 
     @property
-    def names_layer_input(self) -> bool:
-        """Whether the policy keeps or offloads :data:`LAYER_INPUT` (the body's input must
-        then be named so, :func:`jaxmem._jax.checkpointed_scan_bodies`)."""
-        return LAYER_KEY in self.save or LAYER_KEY in self.offload
+    def layer_input_name(self) -> str | None:
+        """:data:`LAYER_INPUT` when the policy keeps or offloads it (the body's input must
+        then be named so: :func:`jaxmem._jax.checkpointed_scan_bodies` asks), else None."""
+        return LAYER_INPUT if LAYER_KEY in self.save or LAYER_KEY in self.offload else None
 
     def __call__(self, prim: Any, *avals: Any, **params: Any) -> Any:
         key = self._key(prim, avals, params)
@@ -242,8 +242,7 @@ def _carry_bytes(eqn: Any) -> int:
     """Bytes of the floating carry a scan's body receives (a scanned layer's input)."""
     n, k = int(eqn.params.get("num_consts", 0)), int(eqn.params.get("num_carry", 0))
     avals = [v.aval for v in eqn.invars[n:n + k]]
-    return sum(P.nbytes(a) for a in avals
-               if jax.numpy.issubdtype(getattr(a, "dtype", None) or "int32", jax.numpy.floating))
+    return sum(P.nbytes(a) for a in avals if _jax.is_floating(a))
 
 
 def _maxtext(values: Iterable[BodyValue], offload: bool) -> list[BodyPolicy]:
@@ -277,10 +276,10 @@ def candidates(values: Sequence[BodyValue], *, offload: bool = False) -> list[Bo
     out = [BodyPolicy("everything", base="everything"), BodyPolicy("utility", base="utility")]
     for k in range(len(order), -1, -1):
         keep = tuple(v.key for v in order[:k])
-        out.append(BodyPolicy("full" if k == 0 else f"ladder-{k}", save=keep))
+        rung = "full" if k == 0 else f"ladder-{k}"
+        out.append(BodyPolicy(rung, save=keep))
         if offload and layer:  # the rung re-run from its input, parked in host memory
-            out.append(BodyPolicy(("full" if k == 0 else f"ladder-{k}") + "+input offloaded",
-                                  save=keep, offload=layer))
+            out.append(BodyPolicy(f"{rung}+input offloaded", save=keep, offload=layer))
         if offload and k < len(order):
             rest = tuple(v.key for v in order[k:]) + layer
             out.append(BodyPolicy(f"ladder-{k}+offload", save=keep, offload=rest))
