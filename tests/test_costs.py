@@ -3,6 +3,8 @@ and whether the compute around the copies hides them, in the plan's printout."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import pytest
 
@@ -68,3 +70,25 @@ def test_a_step_with_scan_body_policies_says_their_cost_is_left_out(analysis):
     assert "not included" not in step_costs(analysis, plan, "cpu").describe()
     assert "body policy's cost is not included" in step_costs(
         analysis, plan, "cpu", scan_bodies=True).describe()
+
+
+def test_a_scan_body_choice_prices_its_recompute_and_host_link():
+    """The budget's scan-body policy (``BodyChoice``) says what it costs: FLOPs above the
+    candidate with the fewest, its host bytes' round trip, and whether the step's compute
+    covers it, on the profile named."""
+    from jaxmem.compiling.scan_budget import BodyCandidate, BodyChoice
+    from jaxmem.rewriting.scans import BodyPolicy
+
+    h100 = DeviceProfile.get("h100")
+    least = BodyCandidate(BodyPolicy("everything"), flops=1e15, kept_bytes=10 << 30)
+    off = BodyCandidate(BodyPolicy("full+input offloaded"), flops=1.3e15, kept_bytes=1 << 30,
+                        host_bytes=4 << 30)
+    line = BodyChoice(off, (least, off), budget=2 << 30, fits=True).cost("h100")
+    assert "recompute 300000.0 GFLOP" in line and "host link 4.00 GiB each way" in line
+    link, compute = 2 * h100.transfer_time(4 << 30), 1.3e15 / h100.flops_per_s
+    assert ("below the step's compute" in line) == (link <= compute)
+    slow = dataclasses.replace(off, flops=1.0e14, host_bytes=64 << 30)
+    assert "cannot all hide" in BodyChoice(slow, (slow,), 1, True).cost(h100)
+    # the note carries the line only where the step's profile is known
+    assert len(BodyChoice(off, (least, off), 1, True).notes) == 2
+    assert BodyChoice(off, (least, off), 1, True, profile="h100").notes[-1] == line

@@ -24,6 +24,7 @@ from typing import Any
 import jax
 
 from jaxmem.analyzing.analysis import from_program
+from jaxmem.compiling.signature import profile_of
 from jaxmem.planning.budget.units import resolve_budget
 from jaxmem.rewriting.scans import BodyPolicy, BodyValue, body_values, candidates
 from jaxmem.tracing.program import Program
@@ -41,12 +42,15 @@ class BodyCandidate:
       flops: jaxmem's FLOP count of the whole step with it (recompute included).
       kept_bytes: bytes of the device-resident values the backward pass reads.
       compiled: XLA's figures of the whole step with it, when compiled.
+      host_bytes: bytes of the values it parks in host memory (each crosses the host link
+        twice per step).
     """
 
     policy: BodyPolicy
     flops: float
     kept_bytes: int
     compiled: Figures | None = None
+    host_bytes: int = 0
 
     def row(self, budget: int | None = None) -> str:
         peak = "-" if self.compiled is None else fmt_bytes(self.compiled.peak)
@@ -64,6 +68,7 @@ class BodyChoice:
     candidates: tuple[BodyCandidate, ...]
     budget: int
     fits: bool
+    profile: str | None = None
 
     @property
     def policy(self) -> BodyPolicy:
@@ -77,7 +82,31 @@ class BodyChoice:
                 + f", {len(self.candidates)} candidates traced, {n} compiled)")
         save = ", ".join(_label(k) for k in self.policy.save) or "-"
         off = ", ".join(_label(k) for k in self.policy.offload) or "-"
-        return (head, f"scan bodies keep: {save}; offload: {off}; base {self.policy.base}")
+        notes = (head, f"scan bodies keep: {save}; offload: {off}; base {self.policy.base}")
+        return notes if self.profile is None else (*notes, self.cost(self.profile))
+
+    def cost(self, profile: Any) -> str:
+        """The chosen body policy's predicted cost on ``profile`` (a preset name or a
+        :class:`~jaxmem.DeviceProfile`): its FLOPs above the candidate with the fewest
+        (recompute), its host-link round trip, and whether the step's compute (its
+        FLOPs at the profile's rate, a roofline bound) covers that round trip."""
+        from jaxmem.analyzing.costmodel import DeviceProfile
+        from jaxmem.planning.costs import fmt_seconds
+
+        prof = DeviceProfile.get(profile)
+        least = min(c.flops for c in self.candidates)
+        extra = max(self.chosen.flops - least, 0.0)
+        compute = self.chosen.flops / prof.flops_per_s
+        line = (f"scan bodies' predicted cost ({prof.name}): recompute "
+                f"{extra / 1e9:.1f} GFLOP, {fmt_seconds(extra / prof.flops_per_s)} per step "
+                f"(the step's compute {fmt_seconds(compute)})")
+        if self.chosen.host_bytes:
+            link = 2 * prof.transfer_time(self.chosen.host_bytes)
+            line += (f"; host link {fmt_bytes(self.chosen.host_bytes)} each way, round trip "
+                     f"{fmt_seconds(link)}, "
+                     + ("below the step's compute" if link <= compute
+                        else "more than the step's compute: the transfers cannot all hide"))
+        return line
 
 
 def _label(key: Any) -> str:
@@ -87,9 +116,13 @@ def _label(key: Any) -> str:
 def estimate(policy: BodyPolicy, program: Program) -> BodyCandidate:
     """FLOPs and kept bytes of the step traced with ``policy`` on its scan bodies."""
     analysis = from_program(program)
-    kept = sum(r.nbytes for r in analysis.residuals
-               if "Host" not in str(program.values[r.value].memory_space))
-    return BodyCandidate(policy, float(program.flops), int(kept))
+    kept = host = 0
+    for r in analysis.residuals:
+        if "Host" in str(program.values[r.value].memory_space):
+            host += r.nbytes
+        else:
+            kept += r.nbytes
+    return BodyCandidate(policy, float(program.flops), int(kept), host_bytes=int(host))
 
 
 def _dominated(cands: Sequence[BodyCandidate]) -> list[BodyCandidate]:
@@ -187,7 +220,7 @@ def choose_for(opt: Any, fn: Callable[..., Any], dyn_args: tuple[Any, ...],
     # The plain step (same donation) is what a fractional budget is a fraction of.
     first = _dominated(cands)[0].policy
     budget = resolve_budget(opt.budget, _figures(entry(first).plain, flat).peak)
-    return choose(cands, compiled, budget)
+    return dataclasses.replace(choose(cands, compiled, budget), profile=profile_of(flat))
 
 
 def _kinds(flat: Sequence[Any]) -> tuple[str, ...]:
