@@ -182,6 +182,39 @@ def test_auto_weighs_recompute_against_the_state_on_the_host_link(host_bw, moved
     prof = jaxmem.DeviceProfile("test", flops_per_s=1e12, memory_bw=1e12, host_bw=host_bw)
     plan, offload = state_offload.with_budget(search, budget, "auto", info, lambda: 20_000,
                                               prof)
-    assert offload is moved
+    assert bool(offload) is moved and offload in (0, state_offload.WINDOW)
     assert plan.recompute_flops == (0.0 if moved else 1e9)
     assert any(("to host memory" if moved else "kept on the device") in n for n in plan.notes)
+
+
+@pytest.mark.parametrize("mode", [True, "auto"])
+def test_one_group_in_flight_when_two_do_not_fit(mode):
+    """A scanned model's moments are one group per stacked parameter (14 GiB each at 8B):
+    when the residuals do not fit beside two such groups in flight, they are planned beside
+    one, and the state streams one group at a time (window 1); when nothing fits even so,
+    the BudgetError stands."""
+    from jaxmem.planning.budget.units import BudgetError
+    from jaxmem.planning.plan import Plan
+
+    info = state_offload.StateOffload((0,), (0,), ("mu",), nbytes=4_000, largest_group=1_000,
+                                      groups=4)
+    budget = 10_000
+
+    def search_needing(room):
+        def search(b):
+            if b < room:
+                raise BudgetError("over", b, room)
+            return Plan(choices=(), strategy="budget:test", recompute_flops=0.0,
+                        baseline_flops=1.0)
+        return search
+
+    # two in flight free 2,000; one frees 3,000
+    plan, window = state_offload.with_budget(search_needing(12_500), budget, mode, info,
+                                             lambda: 20_000)
+    assert window == 1
+    assert any("one group in flight" in n for n in plan.notes)
+    plan, window = state_offload.with_budget(search_needing(11_500), budget, mode, info,
+                                             lambda: 20_000)
+    assert window == state_offload.WINDOW
+    with pytest.raises(BudgetError):
+        state_offload.with_budget(search_needing(13_500), budget, mode, info, lambda: 20_000)

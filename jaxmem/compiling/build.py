@@ -51,7 +51,7 @@ def build(opt: Any, options: Options, fn: Callable[..., Any], args: tuple[Any, .
     defer = background.can_defer(options, planning, cached)
     deferred, first = False, None
     if cached is not None:  # made before (this process, or the disk cache): no compiles
-        made = Made(dataclasses.replace(cached, donated=step.donated), None, False)
+        made = Made(dataclasses.replace(cached, donated=step.donated), None, 0)
     else:
         made = make_plan(options, analysis, step, fn=fn, warn=warn, body=traced.body,
                          loop_plans=traced.loop_plans, defer=defer,
@@ -121,7 +121,8 @@ def _runnable(options: Options, step: steps.Step, traced: Traced,
         return jitted, plan, compiled, ()
     jitted, info = state_offload.wrap(jitted, step.program, step.args, step.flat,
                                       step.donate_flat, options.offload_state,
-                                      device_of(step.flat), options.jit_kwargs)
+                                      device_of(step.flat), options.jit_kwargs,
+                                      window=made.stream_state)
     if info is None:
         return jitted, plan, compiled, ()
     plan = dataclasses.replace(plan, state_offload=info, compiled=None,

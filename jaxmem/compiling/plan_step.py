@@ -44,7 +44,9 @@ class Made(NamedTuple):
 
     plan: Plan
     compiled: Any  # the plan's executable when one was compiled on the way (else None)
-    stream_state: bool  # whether the optimizer state streams from host memory
+    # The optimizer state's groups in flight while it streams from host memory
+    # (jaxmem.memory.state_offload.stream); 0: it stays on the device.
+    stream_state: int
 
 
 class _Compiles:
@@ -157,7 +159,8 @@ def make_plan(options: Options, analysis: Analysis, step: Step, *, fn: Any,
                                donated=donated)
     planning = analysis.program.has_backward and options.strategy != "none"
     # "auto": only where a budget needs it (state_offload.with_budget decides)
-    stream_state = options.offload_state is not False and options.offload_state != "auto"
+    stream_state = (state_offload.WINDOW if options.offload_state is not False
+                    and options.offload_state != "auto" else 0)
     if planning and body is not None and body.fits:
         # The body policy fits with no recompute outside the scan (compiled so).
         plan = dataclasses.replace(
@@ -186,7 +189,7 @@ def make_plan(options: Options, analysis: Analysis, step: Step, *, fn: Any,
 
 
 def _within_budget(options: Options, analysis: Analysis, step: Step, auto: Plan,
-                   body: Any) -> tuple[Plan, Any, bool]:
+                   body: Any) -> tuple[Plan, Any, int]:
     """The budget search from ``auto`` (the state's offload weighed in where asked), the
     executable it compiled for its plan, and whether the state streams from host; when
     the search cannot meet the budget, JAX's built-in policies (never with state
@@ -209,7 +212,7 @@ def _within_budget(options: Options, analysis: Analysis, step: Step, auto: Plan,
         if options.offload_state is not False:
             raise
         plan, compiled = builtin_within(e, analysis, step, compiles.plain)
-        return plan, compiled, False
+        return plan, compiled, 0
     plan = dataclasses.replace(plan, donated=step.donated,
                                notes=plan.notes + (body.notes if body else ()))
     # the executable the search compiled for the chosen plan runs the first call

@@ -313,10 +313,12 @@ def device_view(x: Any) -> Any:
 
 def wrap(jitted: Any, program: Program, args: Any, flat: Sequence[Any],
          donate_flat: Sequence[int], mode: bool | str | Predicate, device: Any,
-         jit_kwargs: dict[str, Any]) -> tuple[Any, StateOffload | None]:
+         jit_kwargs: dict[str, Any], window: int | None = None
+         ) -> tuple[Any, StateOffload | None]:
     """``jitted`` (a ``jax.jit`` of a flat step) with the optimizer state streamed from host
-    memory: the jit of :func:`stream`'s function and the :class:`StateOffload` it carries
-    out (None, and ``jitted`` unchanged, when no leaf qualifies)."""
+    memory, ``window`` groups in flight (default :data:`WINDOW`): the jit of
+    :func:`stream`'s function and the :class:`StateOffload` it carries out (None, and
+    ``jitted`` unchanged, when no leaf qualifies)."""
     kinds = _jax.memory_kinds(device)
     if "pinned_host" not in kinds:
         platform = getattr(device, "platform", "this backend")
@@ -328,7 +330,7 @@ def wrap(jitted: Any, program: Program, args: Any, flat: Sequence[Any],
     inputs, outputs, names = select(program, args, _out_shapes(program), mode)
     if not inputs:
         return jitted, None
-    fn, groups, largest, per_use = stream(jitted.__wrapped__, flat, inputs, outputs)
+    fn, groups, largest, per_use = stream(jitted.__wrapped__, flat, inputs, outputs, window)
     info = StateOffload(inputs, outputs, names, sum(_shard_bytes(flat[i]) for i in inputs),
                         largest, groups, _param_bytes(program, inputs, flat), per_use)
     return jax.jit(fn, donate_argnums=tuple(donate_flat),
@@ -384,7 +386,7 @@ def _ms(seconds: float) -> str:
 
 def with_budget(search: Callable[[Any], Any], budget: Any, mode: bool | str | Predicate,
                 info: StateOffload | None, plain_peak: Callable[[], int],
-                profile: Any = "h100") -> tuple[Any, bool]:
+                profile: Any = "h100") -> tuple[Any, int]:
     """The budget search, weighing the state's offload against residual recompute/offload.
 
     ``search(budget) -> Plan`` is the residual planner (:func:`jaxmem.plan_with_budget`).
@@ -395,14 +397,17 @@ def with_budget(search: Callable[[Any], Any], budget: Any, mode: bool | str | Pr
     room it frees and the cheaper of the two runs. When the residual plan cannot meet the
     budget, and always with ``mode=True``, the state goes to host memory and the residuals
     are planned against the budget plus the device bytes that frees (the state less the
-    groups in flight).
+    groups in flight: :data:`WINDOW` of them, or one group at a time when only that fits,
+    the update then waiting for each group's fetch).
 
-    Returns ``(plan, offload the state?)``; the plan's notes say what moves and its cost.
+    Returns ``(plan, window)``: ``window`` is the number of state groups in flight while
+    the state streams from host memory (:func:`stream`), 0 where it stays on the device;
+    the plan's notes say what moves and its cost.
     """
     from jaxmem.analyzing.costmodel import DeviceProfile
     from jaxmem.planning.budget.units import BudgetError, resolve_budget
     if not mode or info is None:
-        return search(budget), False
+        return search(budget), 0
     freed = max(info.nbytes - WINDOW * info.largest_group, 0)
     prof = DeviceProfile.get(profile)
     link = info.transfer_time(prof)
@@ -418,25 +423,38 @@ def with_budget(search: Callable[[Any], Any], budget: Any, mode: bool | str | Pr
                     f"its {fmt_bytes(info.nbytes)} ({_ms(recompute)} of recompute; "
                     f"offloading it would cost {cost})")
             if recompute <= link:
-                return dataclasses.replace(plan, notes=plan.notes + (kept,)), False
+                return dataclasses.replace(plan, notes=plan.notes + (kept,)), 0
             b = resolve_budget(budget, plain_peak())
             try:
                 moved = search(b + freed)
             except BudgetError:
-                return dataclasses.replace(plan, notes=plan.notes + (kept,)), False
+                return dataclasses.replace(plan, notes=plan.notes + (kept,)), 0
             other = moved.recompute_flops / prof.flops_per_s
             if other + link >= recompute:
-                return dataclasses.replace(plan, notes=plan.notes + (kept,)), False
+                return dataclasses.replace(plan, notes=plan.notes + (kept,)), 0
             note = (f"budget {fmt_bytes(b)}: optimizer state to host memory ({cost}) with "
                     f"{_ms(other)} of recompute, against {_ms(recompute)} of recompute "
                     f"with the state on the device; residuals planned against "
                     f"{fmt_bytes(b + freed)}")
-            return dataclasses.replace(moved, budget=b, notes=moved.notes + (note,)), True
+            return dataclasses.replace(moved, budget=b, notes=moved.notes + (note,)), WINDOW
     else:
         why = "offload_state=True"
     b = resolve_budget(budget, plain_peak())
-    plan = search(b + freed)
+    window = WINDOW
+    try:
+        plan = search(b + freed)
+    except BudgetError:
+        # One group in flight frees another group's bytes (a scanned model's stacked
+        # moments are one group per parameter: 14 GiB each at 8B), at the cost of the
+        # prefetch: each group's fetch waits for the previous group's write-back.
+        alone = max(info.nbytes - info.largest_group, 0)
+        if window == 1 or alone == freed:
+            raise
+        window, freed = 1, alone
+        plan = search(b + freed)
+    inflight = ("" if window == WINDOW else
+                "; one group in flight (no prefetch): with two the residuals did not fit")
     note = (f"budget {fmt_bytes(b)} ({why}): optimizer state to host memory frees "
             f"{fmt_bytes(freed)} for {cost}; residuals planned against "
-            f"{fmt_bytes(b + freed)}")
-    return dataclasses.replace(plan, budget=b, notes=plan.notes + (note,)), True
+            f"{fmt_bytes(b + freed)}{inflight}")
+    return dataclasses.replace(plan, budget=b, notes=plan.notes + (note,)), window
