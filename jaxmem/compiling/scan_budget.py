@@ -24,6 +24,7 @@ from typing import Any
 import jax
 
 from jaxmem.analyzing.analysis import from_program
+from jaxmem.analyzing.costmodel import DeviceProfile
 from jaxmem.compiling.signature import profile_of
 from jaxmem.planning.budget.units import resolve_budget
 from jaxmem.rewriting.scans import BodyPolicy, BodyValue, body_values, candidates
@@ -52,6 +53,13 @@ class BodyCandidate:
     compiled: Figures | None = None
     host_bytes: int = 0
 
+    def seconds(self, profile: Any) -> float:
+        """Predicted step time on ``profile`` (a preset name or a profile): the step's
+        FLOPs at its rate or the host bytes' round trip, whichever is longer (the copies
+        overlap the compute at best; what they cannot hide adds to it)."""
+        prof = DeviceProfile.get(profile)
+        return max(self.flops / prof.flops_per_s, 2 * prof.transfer_time(self.host_bytes))
+
     def row(self, budget: int | None = None) -> str:
         peak = "-" if self.compiled is None else fmt_bytes(self.compiled.peak)
         fit = ("" if budget is None or self.compiled is None
@@ -77,8 +85,10 @@ class BodyChoice:
     @property
     def notes(self) -> tuple[str, ...]:
         n = sum(c.compiled is not None for c in self.candidates)
+        least = ("fewest FLOPs" if self.profile is None
+                 else f"least predicted time ({DeviceProfile.get(self.profile).name})")
         head = (f"scan bodies: policy {self.policy.name!r} ("
-                + ("fewest FLOPs that fits" if self.fits else "lowest peak found; over budget")
+                + (f"{least} that fits" if self.fits else "lowest peak found; over budget")
                 + f", {len(self.candidates)} candidates traced, {n} compiled)")
         save = ", ".join(_label(k) for k in self.policy.save) or "-"
         off = ", ".join(_label(k) for k in self.policy.offload) or "-"
@@ -90,7 +100,6 @@ class BodyChoice:
         :class:`~jaxmem.DeviceProfile`): its FLOPs above the candidate with the fewest
         (recompute), its host-link round trip, and whether the step's compute (its
         FLOPs at the profile's rate, a roofline bound) covers that round trip."""
-        from jaxmem.analyzing.costmodel import DeviceProfile
         from jaxmem.planning.costs import fmt_seconds
 
         prof = DeviceProfile.get(profile)
@@ -125,26 +134,34 @@ def estimate(policy: BodyPolicy, program: Program) -> BodyCandidate:
     return BodyCandidate(policy, float(program.flops), int(kept), host_bytes=int(host))
 
 
-def _dominated(cands: Sequence[BodyCandidate]) -> list[BodyCandidate]:
-    """Candidates no other one beats on both FLOPs and kept bytes, fewest FLOPs first."""
+def _dominated(cands: Sequence[BodyCandidate], profile: Any = None) -> list[BodyCandidate]:
+    """Candidates no other one beats on both cost and kept bytes, cheapest first; the cost
+    is the FLOPs, or with a ``profile`` the predicted step time
+    (:meth:`BodyCandidate.seconds`: host-link time counts where the compute cannot hide
+    it)."""
+    def cost(c: BodyCandidate) -> float:
+        return c.flops if profile is None else c.seconds(profile)
+
     out: list[BodyCandidate] = []
-    for c in sorted(cands, key=lambda c: (c.flops, c.kept_bytes)):
+    for c in sorted(cands, key=lambda c: (cost(c), c.flops, c.kept_bytes)):
         if not out or c.kept_bytes < min(o.kept_bytes for o in out):
             out.append(c)
     return out
 
 
 def choose(cands: Sequence[BodyCandidate], compile_with: Callable[[BodyPolicy], Figures],
-           budget: int, *, max_compiles: int = 8) -> BodyChoice:
-    """Compile candidates until the one with the fewest FLOPs that fits ``budget`` is found.
+           budget: int, *, max_compiles: int = 8, profile: Any = None) -> BodyChoice:
+    """Compile candidates until the cheapest one that fits ``budget`` is found: the fewest
+    FLOPs, or with a ``profile`` the least predicted step time (an offload whose round
+    trip the compute cannot hide costs what it exposes).
 
-    Candidates beaten on both FLOPs and kept bytes by another are left out; along the rest
-    (fewest FLOPs first, so most kept bytes first) the compiled peak falls, so a bisection
+    Candidates beaten on both cost and kept bytes by another are left out; along the rest
+    (cheapest first, so most kept bytes first) the compiled peak falls, so a bisection
     finds the first that fits in a few compiles: the one with the fewest kept bytes first
     (if it does not fit, nothing does, and it is chosen with ``fits=False``), then halves.
     """
     debug = os.environ.get("JAXMEM_BUDGET_DEBUG")
-    front = _dominated(cands)
+    front = _dominated(cands, profile)
     done: dict[str, BodyCandidate] = {}
 
     def peak(i: int) -> int:
@@ -159,7 +176,7 @@ def choose(cands: Sequence[BodyCandidate], compile_with: Callable[[BodyPolicy], 
     hi = len(front) - 1  # fits, once checked
     if peak(hi) > budget:
         best = min(done.values(), key=lambda c: (c.compiled.peak, c.flops))
-        return BodyChoice(best, _merge(cands, done), budget, False)
+        return BodyChoice(best, _merge(cands, done), budget, False, profile)
     lo = -1  # does not fit (or is before the first)
     while hi - lo > 1 and len(done) < max_compiles:
         mid = (lo + hi) // 2
@@ -167,7 +184,7 @@ def choose(cands: Sequence[BodyCandidate], compile_with: Callable[[BodyPolicy], 
             hi = mid
         else:
             lo = mid
-    return BodyChoice(done[front[hi].policy.name], _merge(cands, done), budget, True)
+    return BodyChoice(done[front[hi].policy.name], _merge(cands, done), budget, True, profile)
 
 
 def _merge(cands: Sequence[BodyCandidate], done: dict[str, BodyCandidate]
@@ -220,7 +237,7 @@ def choose_for(opt: Any, fn: Callable[..., Any], dyn_args: tuple[Any, ...],
     # The plain step (same donation) is what a fractional budget is a fraction of.
     first = _dominated(cands)[0].policy
     budget = resolve_budget(opt.budget, _figures(entry(first).plain, flat).peak)
-    return dataclasses.replace(choose(cands, compiled, budget), profile=profile_of(flat))
+    return choose(cands, compiled, budget, profile=profile_of(flat))
 
 
 def _kinds(flat: Sequence[Any]) -> tuple[str, ...]:
