@@ -92,3 +92,33 @@ def test_a_scan_body_choice_prices_its_recompute_and_host_link():
     # the note carries the line only where the step's profile is known
     assert len(BodyChoice(off, (least, off), 1, True).notes) == 2
     assert BodyChoice(off, (least, off), 1, True, profile="h100").notes[-1] == line
+
+
+def test_the_scan_body_budget_choice_weighs_the_host_link():
+    """With the step's profile the body search orders candidates by predicted time: one
+    with the fewest FLOPs whose parked bytes' round trip outlasts the compute loses to one
+    that recomputes more and hides its transfers; without a profile, FLOPs decide."""
+    from jaxmem.compiling.scan_budget import BodyCandidate, choose
+    from jaxmem.rewriting.scans import BodyPolicy
+    from jaxmem.xla.measure import Figures
+
+    h100 = DeviceProfile.get("h100")
+    flops = 1e15  # about 1 s on the profile
+    parked = BodyCandidate(BodyPolicy("offload all"), flops, kept_bytes=1 << 30,
+                           host_bytes=int(2 * h100.host_bw))  # a 4 s round trip
+    hidden = BodyCandidate(BodyPolicy("input offloaded"), 1.2 * flops, kept_bytes=1 << 30,
+                           host_bytes=1 << 30)
+    everything = BodyCandidate(BodyPolicy("everything"), 0.9 * flops, kept_bytes=100 << 30)
+
+    def compile_with(policy):  # what fits is what keeps little on the device
+        kept = {c.policy.name: c.kept_bytes for c in (parked, hidden, everything)}
+        return Figures(argument=0, output=0, temp=kept[policy.name], alias=0)
+
+    cands = [parked, hidden, everything]
+    assert hidden.seconds(h100) < parked.seconds(h100)
+    by_time = choose(cands, compile_with, budget=2 << 30, profile="h100")
+    assert by_time.fits and by_time.policy.name == "input offloaded"
+    assert "least predicted time (h100)" in by_time.notes[0]
+    assert "below the step's compute" in by_time.notes[-1]
+    by_flops = choose(cands, compile_with, budget=2 << 30)
+    assert by_flops.policy.name == "offload all" and "fewest FLOPs" in by_flops.notes[0]
