@@ -52,11 +52,11 @@ BUILTIN = {
 }
 
 
-def plan_under(fn: Callable[..., Any], args: Any, budget: int
+def plan_under(fn: Callable[..., Any], args: Any, budget: int, **options: Any
                ) -> tuple[jaxmem.Optimized, Any, jaxmem.BudgetError | None]:
-    """``jaxmem.optimize(fn, budget=budget)`` (state donated) planned for ``args``:
+    """``jaxmem.optimize(fn, budget=budget, **options)`` (state donated) planned for ``args``:
     ``(optimized step, plan, None)``, or ``(optimized step, None, the BudgetError)``."""
-    step = jaxmem.optimize(fn, budget=budget, donate_argnums=DONATE)
+    step = jaxmem.optimize(fn, budget=budget, donate_argnums=DONATE, **options)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
