@@ -3,7 +3,8 @@ preset, jaxmem.
 
 ``python -m benchmarks.llm_maxbatch [--size 1b] [--target h100] [--presets full,save_qkv_proj]
 [--layers N] [--seq N] [--attention cudnn] [--chunk-loss 8] [--offload]
-[--offload-state auto] [--start N] [--max-batch 64] [--out results/llm_maxbatch]``
+[--offload-state auto] [--start N] [--max-batch 64] [--probe VARIANT:B1,B2] [--report]
+[--out results/llm_maxbatch]``
 
 Compile-only (abstract arguments, ``jaxmem.targets``): the budget is the target's device
 memory (``device_memory_size`` of its config: 79.1 GiB on the H100 target), the step is the
@@ -245,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
                    "move adam's moments to pinned_host when nothing else fits")
     p.add_argument("--start", type=int, help="the jaxmem search's first batch (default: the "
                    "best preset's)")
+    p.add_argument("--probe", metavar="VARIANT:B1,B2,...", help="no search: compile VARIANT "
+                   "(plain, a preset, jaxmem) at each batch and append the points")
     p.add_argument("--report", action="store_true", help="no search: write <out>/report.md "
                    "from <out>/points.jsonl, with each row's predicted step time")
     p.add_argument("--out", type=Path, default=Path("results/llm_maxbatch"))
@@ -305,6 +308,11 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 hi = mid
 
+    if a.probe:
+        variant, batches = a.probe.split(":", 1)
+        for b in batches.split(","):
+            point(variant, int(b))
+        return 0
     for variant in ["plain", *[s for s in a.presets.split(",") if s]]:
         p1, _ = peak_of(variant, a.size, 1, a.target, budget, a.layers)
         p2, _ = peak_of(variant, a.size, 2, a.target, budget, a.layers)
