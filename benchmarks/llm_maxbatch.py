@@ -58,13 +58,11 @@ def peak_of(variant: str, size: str, batch: int, target: str, budget: int,
     """Compiled peak (None: jaxmem raised BudgetError) and a note."""
     if variant == "jaxmem":
         w, args = _args(size, batch, None, target, layers)
-        step, plan, error = plan_under(w.step, args, budget, **JAXMEM_OPTIONS)
+        _, plan, error = plan_under(w.step, args, budget, **JAXMEM_OPTIONS)
         if error is not None:
             return None, f"BudgetError (minimum {measure.fmt_bytes(error.minimum_bytes)})"
         note = "; ".join(n for n in plan.notes if "scan bodies" in n or "optimizer state" in n)
-        if plan.compiled is None:  # the state streams from host: the step that runs
-            return measure.figures(measure.compile(step.lower(*args))).peak, note
-        return plan.compiled.peak, note
+        return plan.compiled.peak, note  # .plan() compiles the step that runs
     w, args = _args(size, batch, None if variant == "plain" else PRESETS[variant], target,
                     layers)
     jitted = jax.jit(w.step, donate_argnums=DONATE)
@@ -89,12 +87,14 @@ def floor(size: str, target: str, budget: int, layers: int | None) -> dict[str, 
     bound: a recomputed layer's backward does not hold them all at once, and MaxText's
     offloaded layer input fits more sequences than that sum allows.)
     """
+    from jaxmem.memory.state_offload import MIN_BYTES
     from jaxmem.rewriting.scans import LAYER_KEY, body_values
+    from jaxmem.tracing.primitives import nbytes
     from jaxmem.tracing.program import trace
 
     w, args = _args(size, 1, None, target, layers)
-    state = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(w.args[0]))
-    params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(w.args[0]["params"]))
+    state = sum(nbytes(x) for x in jax.tree.leaves(w.args[0]))
+    params = sum(nbytes(x) for x in jax.tree.leaves(w.args[0]["params"]))
     values = [v for v in body_values(trace(w.step, *w.args)) if v.key != LAYER_KEY]
     cfg = zoo.config("llama_scan", size)
     cfg.update(OVERRIDES)
@@ -104,9 +104,9 @@ def floor(size: str, target: str, budget: int, layers: int | None) -> dict[str, 
     loss = tokens * cfg["vocab"] * 4
     batch = max(int((budget - state - params) // (layer + loss)), 0)
     # With the optimizer's moments in host memory (offload_state=True): the parameters,
-    # their gradient and the small leaves stay.
-    moments = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(w.args[0]["opt_state"])
-                  if x.size * x.dtype.itemsize >= 1024)
+    # their gradient and the leaves too small to offload stay.
+    moments = sum(nbytes(x) for x in jax.tree.leaves(w.args[0]["opt_state"])
+                  if nbytes(x) >= MIN_BYTES)
     on_host = max(int((budget - state + moments - params) // (layer + loss)), 0)
     return {"variant": "floor", "batch": batch, "batch_moments_on_host": on_host,
             "state": state, "gradient": params, "moments": moments,

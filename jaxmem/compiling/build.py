@@ -142,9 +142,7 @@ def _streamed_within(jitted: Any, flat: Any, info: Any, budget: int) -> Any:
     from jaxmem.planning.budget.units import BudgetError
     from jaxmem.xla import measure
 
-    abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None),
-                                     weak_type=getattr(x, "weak_type", False))
-                if hasattr(x, "shape") and hasattr(x, "dtype") else x for x in flat]
+    abstract = background.stand_ins(list(flat))  # placing them moves no user array
     exe = measure.compile(jitted.lower(*state_offload.place(abstract, info.inputs)))
     peak = measure.figures(exe).peak
     if peak > budget:

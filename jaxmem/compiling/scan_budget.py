@@ -53,12 +53,16 @@ class BodyCandidate:
     compiled: Figures | None = None
     host_bytes: int = 0
 
-    def seconds(self, profile: Any) -> float:
-        """Predicted step time on ``profile`` (a preset name or a profile): the step's
-        FLOPs at its rate or the host bytes' round trip, whichever is longer (the copies
-        overlap the compute at best; what they cannot hide adds to it)."""
+    def times(self, profile: Any) -> tuple[float, float]:
+        """``(compute, round trip)`` on ``profile`` (a preset name or a profile): the step's
+        FLOPs at its rate, and its host bytes there and back over the host link."""
         prof = DeviceProfile.get(profile)
-        return max(self.flops / prof.flops_per_s, 2 * prof.transfer_time(self.host_bytes))
+        return self.flops / prof.flops_per_s, 2 * prof.transfer_time(self.host_bytes)
+
+    def seconds(self, profile: Any) -> float:
+        """Predicted step time on ``profile``: the compute or the round trip, whichever is
+        longer (the copies overlap the compute at best; what they cannot hide adds to it)."""
+        return max(self.times(profile))
 
     def row(self, budget: int | None = None) -> str:
         peak = "-" if self.compiled is None else fmt_bytes(self.compiled.peak)
@@ -105,12 +109,11 @@ class BodyChoice:
         prof = DeviceProfile.get(profile)
         least = min(c.flops for c in self.candidates)
         extra = max(self.chosen.flops - least, 0.0)
-        compute = self.chosen.flops / prof.flops_per_s
+        compute, link = self.chosen.times(prof)
         line = (f"scan bodies' predicted cost ({prof.name}): recompute "
                 f"{extra / 1e9:.1f} GFLOP, {fmt_seconds(extra / prof.flops_per_s)} per step "
                 f"(the step's compute {fmt_seconds(compute)})")
         if self.chosen.host_bytes:
-            link = 2 * prof.transfer_time(self.chosen.host_bytes)
             line += (f"; host link {fmt_bytes(self.chosen.host_bytes)} each way, round trip "
                      f"{fmt_seconds(link)}, "
                      + ("below the step's compute" if link <= compute
