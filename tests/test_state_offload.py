@@ -7,6 +7,8 @@ state's host placement survives compilation.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -163,8 +165,6 @@ def test_auto_weighs_recompute_against_the_state_on_the_host_link(host_bw, moved
     """offload_state="auto" with a budget the residual plan meets by heavy recompute: the
     state moves when its host-link time is below that recompute (and the residuals are
     planned again with the room it frees), and stays when the link is the dearer."""
-    import dataclasses
-
     from jaxmem.analyzing.analysis import from_program
     from jaxmem.planning.strategies import plan_none
 
@@ -174,8 +174,9 @@ def test_auto_weighs_recompute_against_the_state_on_the_host_link(host_bw, moved
     base = plan_none(a)
     budget = 10_000
 
-    def search(b):  # at the budget: 1e9 FLOPs of recompute; with the state's room: none
-        return dataclasses.replace(base, recompute_flops=1e9 if b <= budget else 0.0)
+    def search(b, window):  # the state on the device: 1e9 FLOPs of recompute; streamed: none
+        assert b == budget
+        return dataclasses.replace(base, recompute_flops=0.0 if window else 1e9)
 
     info = state_offload.StateOffload((0,), (0,), ("mu",), nbytes=4_000, largest_group=500,
                                       groups=8)
@@ -190,9 +191,9 @@ def test_auto_weighs_recompute_against_the_state_on_the_host_link(host_bw, moved
 @pytest.mark.parametrize("mode", [True, "auto"])
 def test_one_group_in_flight_when_two_do_not_fit(mode):
     """A scanned model's moments are one group per stacked parameter (14 GiB each at 8B):
-    when the residuals do not fit beside two such groups in flight, they are planned beside
-    one, and the state streams one group at a time (window 1); when nothing fits even so,
-    the BudgetError stands."""
+    when nothing fits with two groups in flight, the search runs again with one, and the
+    state streams one group at a time (window 1); when nothing fits even so, the
+    BudgetError stands, as it does when the state is one group."""
     from jaxmem.planning.budget.units import BudgetError
     from jaxmem.planning.plan import Plan
 
@@ -200,43 +201,52 @@ def test_one_group_in_flight_when_two_do_not_fit(mode):
                                       groups=4)
     budget = 10_000
 
-    def search_needing(room):
-        def search(b):
-            if b < room:
-                raise BudgetError("over", b, room)
+    def search_fitting(windows):
+        def search(b, window):
+            assert b == budget
+            if window not in windows:
+                raise BudgetError("over", b, b + 1)
             return Plan(choices=(), strategy="budget:test", recompute_flops=0.0,
                         baseline_flops=1.0)
         return search
 
-    # two in flight free 2,000; one frees 3,000
-    plan, window = state_offload.with_budget(search_needing(12_500), budget, mode, info,
+    plan, window = state_offload.with_budget(search_fitting({1}), budget, mode, info,
                                              lambda: 20_000)
     assert window == 1
     assert any("one group in flight" in n for n in plan.notes)
-    plan, window = state_offload.with_budget(search_needing(11_500), budget, mode, info,
+    plan, window = state_offload.with_budget(search_fitting({1, 2}), budget, mode, info,
                                              lambda: 20_000)
     assert window == state_offload.WINDOW
+    assert any(state_offload.STREAMED_PEAKS in n for n in plan.notes)
     with pytest.raises(BudgetError):
-        state_offload.with_budget(search_needing(13_500), budget, mode, info, lambda: 20_000)
+        state_offload.with_budget(search_fitting(set()), budget, mode, info, lambda: 20_000)
+    one = dataclasses.replace(info, groups=1)
+    with pytest.raises(BudgetError):
+        state_offload.with_budget(search_fitting({1}), budget, mode, one, lambda: 20_000)
 
 
-def test_a_streamed_state_step_is_compiled_against_the_budget(h100_step, monkeypatch):
-    """The residuals are planned against the budget plus an estimate of what the state's
-    offload frees; the step with the state streamed is then compiled and checked, so an
-    estimate the compiled schedule does not honour gives a BudgetError, never a step above
-    the budget (1B Llama at 184 sequences: 80.60 GiB compiled under 79.10). Here the
-    estimate is inflated a hundredfold."""
-    import dataclasses
+def test_the_budget_search_checks_the_streamed_step_it_runs(h100_step, monkeypatch):
+    """With the state streamed, the budget search compiles each candidate as it runs,
+    streamed, and checks that peak against the budget, not an estimate of what streaming
+    frees (8B Llama, 14 sequences: the step as traced could not get under the budget plus
+    the estimate, 125.36 GiB; the streamed step fits far more). A budget equal to the
+    streamed plain step's peak needs nothing dropped; the executable the search checked is
+    the one the first call runs (nothing is compiled again)."""
+    from jaxmem.compiling import build
 
-    step, args, _, planned = h100_step
-    budget = planned.compiled.peak - 1
-    real = state_offload.preview
+    step, args, _, streamed = h100_step  # strategy="none": the plain step, streamed
+    budget = streamed.compiled.peak
+    assert streamed.baseline.peak > budget  # the plain step as traced does not fit
 
-    def inflated(*a, **k):
-        info = real(*a, **k)
-        return dataclasses.replace(info, nbytes=100 * info.nbytes)
+    def recompiled(*a, **k):
+        raise AssertionError("the streamed step was compiled again after the search")
 
-    monkeypatch.setattr(state_offload, "preview", inflated)
+    monkeypatch.setattr(build, "_streamed_within", recompiled)
+    opt = jaxmem.optimize(step, budget=budget, offload_state=True)
+    plan = opt.plan(*args)
+    assert plan.state_offload is not None and not plan.recompute
+    assert plan.compiled.peak <= budget, str(plan)
+    assert any(state_offload.STREAMED_PEAKS in n for n in plan.notes)
     with pytest.raises(jaxmem.BudgetError, match="streamed from host memory") as e:
-        jaxmem.optimize(step, budget=budget, offload_state=True).plan(*args)
-    assert e.value.minimum_bytes > budget
+        jaxmem.optimize(step, budget=1 << 20, offload_state=True).plan(*args)
+    assert e.value.minimum_bytes > 1 << 20

@@ -128,17 +128,20 @@ def _runnable(options: Options, step: steps.Step, traced: Traced,
     plan = dataclasses.replace(plan, state_offload=info, compiled=None,
                                notes=plan.notes + (info.describe(profile_of(step.flat)),))
     streamed = None
-    if plan.budget is not None:
+    if made.streamed:  # the budget search compiled this step, streamed, within the budget
+        streamed = compiled
+    elif plan.budget is not None:
         streamed = _streamed_within(jitted, step.flat, info, plan.budget)
     return jitted, plan, streamed, info.inputs
 
 
 def _streamed_within(jitted: Any, flat: Any, info: Any, budget: int) -> Any:
     """The step with its state streamed from host memory, compiled and checked against the
-    budget: the residuals were planned against the budget plus an estimate of what the
-    state's offload frees, which XLA's schedule of the streamed step need not honour (1B
-    Llama, 184 sequences: planned against 86.30 GiB with 7.21 GiB freed, compiled to 80.60
-    GiB over a 79.10 GiB budget). The executable is the one the first call runs."""
+    budget, where the budget search did not compile it so (a scan-body policy that fits
+    alone, its executable let go): a plan found for the step as traced need not fit once
+    streamed, as XLA schedules it (1B Llama, 184 sequences: planned against 86.30 GiB with
+    an estimated 7.21 GiB freed, compiled to 80.60 GiB over a 79.10 GiB budget). The
+    executable is the one the first call runs."""
     from jaxmem.planning.budget.units import BudgetError
     from jaxmem.xla import measure
 

@@ -20,12 +20,12 @@ from jaxmem import _jax
 from jaxmem.analyzing.analysis import Analysis
 from jaxmem.analyzing.losses import logits_notes
 from jaxmem.analyzing.tags import offload_tagged
-from jaxmem.compiling import choose, plan_cache, predicted
+from jaxmem.compiling import background, choose, plan_cache, predicted
 from jaxmem.compiling.background import first_to_run
 from jaxmem.compiling.builtin_fallbacks import builtin_within, unplanned_budget, why_unplanned
 from jaxmem.compiling.offload_verify import device_peak, verified_offload
 from jaxmem.compiling.options import Options
-from jaxmem.compiling.signature import profile_of
+from jaxmem.compiling.signature import device_of, profile_of
 from jaxmem.compiling.steps import Step, read, rewrite_key
 from jaxmem.compiling.trace_step import scans
 from jaxmem.memory import state_offload
@@ -35,7 +35,7 @@ from jaxmem.planning.budget.units import TooLargeToCompile
 from jaxmem.planning.costs import step_costs
 from jaxmem.planning.plan import Plan
 from jaxmem.rewriting.scans import loop_plan
-from jaxmem.xla import measure
+from jaxmem.xla import measure, targets
 from jaxmem.xla.measure import Figures
 
 
@@ -47,6 +47,9 @@ class Made(NamedTuple):
     # The optimizer state's groups in flight while it streams from host memory
     # (jaxmem.memory.state_offload.stream); 0: it stays on the device.
     stream_state: int
+    # Whether ``compiled`` is the step with its state streamed (the budget search compiled
+    # and checked it so), not the plan's step alone.
+    streamed: bool = False
 
 
 class _Compiles:
@@ -58,19 +61,26 @@ class _Compiles:
     still choose one, it is compiled again for the first call (:meth:`exe_for` gives
     None)."""
 
-    def __init__(self, step: Step) -> None:
+    def __init__(self, step: Step,
+                 stream: Callable[[Any], tuple[Any, list[Any]]] | None = None) -> None:
         self.step = step
+        # stream(jitted) -> (jitted step with its state streamed from host memory, the
+        # arguments to lower it with): every program is compiled so, the plain step too
+        self.stream = stream
         self.kept: dict[Any, tuple[Any, Figures]] = {}  # rewrite key -> (executable, figures)
         self._plain: tuple[Any, Figures] | None = None
 
+    def _streamed(self, jitted: Any) -> tuple[Any, list[Any]]:
+        return self.stream(jitted) if self.stream else (jitted, self.step.flat)
+
     def plan(self, p: Plan) -> Figures:
-        jitted = self.step.rewrite(p)
+        jitted, flat = self._streamed(self.step.rewrite(p))
         key = rewrite_key(p)
-        traced = jitted.trace(*self.step.flat)
+        traced = jitted.trace(*flat)
         if p.strategy == "budget":  # the search's own plans (greedy, exact): sized first
             _check_size(traced.jaxpr, len(self.step.program.nodes))
         exe = measure.compile(traced.lower())
-        fig = read(exe, jitted, self.step.flat)
+        fig = read(exe, jitted, flat)
         others = {k: f for k, (_, f) in self.kept.items() if k != key}
         if not any(_beats(f, fig) for f in others.values()):
             self.kept = {k: v for k, v in self.kept.items() if not _beats(fig, v[1])}
@@ -81,7 +91,7 @@ class _Compiles:
         # The plain step is the same program however often a search asks: compiled once
         # (the state-offload path runs up to two searches and reads the plain peak too).
         if self._plain is None:
-            plain, flat = self.step.plain, self.step.flat
+            plain, flat = self._streamed(self.step.plain)
             exe = measure.compile(plain.lower(*flat))
             self._plain = (exe, read(exe, plain, flat))
         return self._plain[1]
@@ -154,7 +164,7 @@ def make_plan(options: Options, analysis: Analysis, step: Step, *, fn: Any,
     the caller (``verify="background"``). ``fn``, ``warn``: for :func:`first_plan`.
     ``bodies_budget``: the budget the ``shard_map`` bodies were planned for
     (:attr:`jaxmem.compiling.trace_step.Traced.bodies_budget`)."""
-    donated, compiled = step.donated, None
+    donated, compiled, streamed = step.donated, None, False
     plan = dataclasses.replace(first_plan(analysis, options, fn, warn, loop_plans),
                                donated=donated)
     planning = analysis.program.has_backward and options.strategy != "none"
@@ -168,6 +178,7 @@ def make_plan(options: Options, analysis: Analysis, step: Step, *, fn: Any,
             strategy="budget: scan body", budget=body.budget, notes=body.notes)
     elif planning and options.budget is not None:
         plan, compiled, stream_state = _within_budget(options, analysis, step, plan, body)
+        streamed = bool(stream_state) and compiled is not None
     elif planning and (options.offload is True or offload_tagged(analysis)):
         # No budget: values tagged with jaxmem.offload_name are offloaded; offload=True
         # also offloads kept residuals whose round trip hides under compute.
@@ -185,38 +196,99 @@ def make_plan(options: Options, analysis: Analysis, step: Step, *, fn: Any,
         plan = dataclasses.replace(plan, costs=step_costs(
             analysis, plan, profile_of(step.flat),
             scan_bodies=bool(options.remat_scans) and scans(step.program.jaxpr.jaxpr)))
-    return Made(plan, compiled, stream_state)
+    return Made(plan, compiled, stream_state, streamed)
 
 
 def _within_budget(options: Options, analysis: Analysis, step: Step, auto: Plan,
                    body: Any) -> tuple[Plan, Any, int]:
     """The budget search from ``auto`` (the state's offload weighed in where asked), the
-    executable it compiled for its plan, and whether the state streams from host; when
-    the search cannot meet the budget, JAX's built-in policies (never with state
-    offload)."""
+    executable it compiled for its plan (with the state streamed where it streams), and
+    the state's groups in flight (0: it stays on the device); when the search cannot meet
+    the budget, JAX's built-in policies (never with state offload)."""
     program, flat = analysis.program, step.flat
-    compiles = _Compiles(step)
+    info = options.offload_state and state_offload.preview(
+        program, step.args, options.offload_state, flat)
+    compiles = {0: _Compiles(step)}  # by the state's groups in flight (0: not streamed)
+    profile = _budget_profile(options.budget, flat)
+
+    def search(budget: Any, window: int) -> Plan:
+        if window not in compiles:
+            compiles.clear()  # a search with fewer groups in flight replaces one with more
+            compiles[0] = _Compiles(step)
+            compiles[window] = _Compiles(step, _streamer(options, step, window))
+        c = compiles[window]
+        # The streamed step's state is in host memory: its compiled peaks are searched
+        # against the budget as if that state were on the device (each peak plus its bytes),
+        # which is how the cost model, fed the step as traced, counts them.
+        shift = info.nbytes if window else 0
+        try:
+            return plan_with_budget(
+                analysis, budget + shift if shift else budget, auto=auto,
+                compile_plan=plan_cache.progress(_shifted(c.plan, shift), "budget search"),
+                compile_plain=plan_cache.progress(_shifted(c.plain, shift), "budget search"),
+                device_peak=lambda p, fig: device_peak(program, p, fig, step.platform),
+                offload=options.offload, profile=profile)
+        except BudgetError as e:
+            if not shift:
+                raise
+            low = e.minimum_bytes - shift
+            raise BudgetError(
+                f"no plan fits the budget {measure.fmt_bytes(budget)} with the optimizer "
+                f"state streamed from host memory ({window} group(s) in flight): the lowest "
+                f"compiled peak jaxmem reached is {measure.fmt_bytes(low)}. Try a smaller "
+                "batch or a larger budget.", budget, low) from e
+
     try:
         plan, stream_state = state_offload.with_budget(
-            lambda b: plan_with_budget(
-                analysis, b, auto=auto,
-                compile_plan=plan_cache.progress(compiles.plan, "budget search"),
-                compile_plain=plan_cache.progress(compiles.plain, "budget search"),
-                device_peak=lambda p, fig: device_peak(program, p, fig, step.platform),
-                offload=options.offload),
-            options.budget, options.offload_state,
-            options.offload_state and state_offload.preview(
-                program, step.args, options.offload_state, flat),
-            lambda: compiles.plain().peak, profile_of(flat))
+            search, options.budget, options.offload_state, info,
+            lambda: compiles[0].plain().peak, profile_of(flat))
     except BudgetError as e:
         if options.offload_state is not False:
             raise
-        plan, compiled = builtin_within(e, analysis, step, compiles.plain)
+        plan, compiled = builtin_within(e, analysis, step, compiles[0].plain)
         return plan, compiled, 0
     plan = dataclasses.replace(plan, donated=step.donated,
                                notes=plan.notes + (body.notes if body else ()))
     # the executable the search compiled for the chosen plan runs the first call
-    return plan, compiles.exe_for(plan), stream_state
+    return plan, compiles[stream_state].exe_for(plan), stream_state
+
+
+def _budget_profile(budget: Any, flat: Any) -> Any:
+    """The device profile the budget search weighs recompute and transfers on: the
+    :class:`~jaxmem.planning.budget.Budget`'s own, else that of the target the arguments are
+    compiled for (an H100 topology's, not the machine planning it), else None (detected)."""
+    given = getattr(budget, "profile", None)
+    if given is not None:
+        return given
+    try:
+        target = targets.of(flat)
+    except Exception:  # noqa: BLE001 - no target to name: the search detects the device
+        return None
+    return target.profile if target.name != "unknown" else None
+
+
+def _shifted(compile_fn: Callable[..., Figures], shift: int) -> Callable[..., Figures]:
+    """``compile_fn`` with ``shift`` bytes added to each peak it reports (counted as
+    arguments: the state's bytes, as if on the device)."""
+    if not shift:
+        return compile_fn
+    return lambda *a: dataclasses.replace(f := compile_fn(*a), argument=f.argument + shift)
+
+
+def _streamer(options: Options, step: Step, window: int
+              ) -> Callable[[Any], tuple[Any, list[Any]]]:
+    """``jitted -> (jitted with the state streamed, window groups in flight; the abstract
+    arguments to lower it with, the state's in pinned_host memory)``: what runs, as
+    :func:`jaxmem.compiling.build._runnable` builds it."""
+    device = device_of(step.flat)
+    abstract = background.stand_ins(list(step.flat))  # placing them moves no user array
+
+    def stream(jitted: Any) -> tuple[Any, list[Any]]:
+        wrapped, info = state_offload.wrap(jitted, step.program, step.args, step.flat,
+                                           step.donate_flat, options.offload_state, device,
+                                           options.jit_kwargs, window=window)
+        return wrapped, state_offload.place(abstract, info.inputs if info else ())
+    return stream
 
 
 def _verify(options: Options, analysis: Analysis, step: Step, plan: Plan, compiled: Any,

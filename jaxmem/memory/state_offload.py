@@ -384,37 +384,38 @@ def _ms(seconds: float) -> str:
     return f"{1e3 * seconds:.1f} ms/step"
 
 
-def with_budget(search: Callable[[Any], Any], budget: Any, mode: bool | str | Predicate,
+def with_budget(search: Callable[[Any, int], Any], budget: Any, mode: bool | str | Predicate,
                 info: StateOffload | None, plain_peak: Callable[[], int],
                 profile: Any = "h100") -> tuple[Any, int]:
     """The budget search, weighing the state's offload against residual recompute/offload.
 
-    ``search(budget) -> Plan`` is the residual planner (:func:`jaxmem.plan_with_budget`).
-    With ``mode="auto"``, when the residual plan alone meets the budget its recompute time
-    (its FLOPs at the profile's rate) is weighed against the state's time on the host link
+    ``search(budget, window) -> Plan`` is the residual planner
+    (:func:`jaxmem.plan_with_budget`): ``window`` 0 plans the step as it is; a positive
+    ``window`` plans the step with the state streamed from host memory, ``window`` groups
+    in flight (:func:`stream`), each candidate checked by that step's compiled peak. With
+    ``mode="auto"``, when the residual plan alone meets the budget its recompute time (its
+    FLOPs at the profile's rate) is weighed against the state's time on the host link
     (:meth:`StateOffload.transfer_time`, none of it assumed hidden): the state stays on the
-    device unless moving it costs less, and then the residuals are planned again with the
-    room it frees and the cheaper of the two runs. When the residual plan cannot meet the
-    budget, and always with ``mode=True``, the state goes to host memory and the residuals
-    are planned against the budget plus the device bytes that frees (the state less the
-    groups in flight: :data:`WINDOW` of them, or one group at a time when only that fits,
-    the update then waiting for each group's fetch).
+    device unless moving it costs less, and then the residuals are planned again on the
+    streamed step and the cheaper of the two runs. When the residual plan cannot meet the
+    budget, and always with ``mode=True``, the state goes to host memory: :data:`WINDOW`
+    groups in flight, or one at a time when only that fits (the update then waits for each
+    group's fetch).
 
     Returns ``(plan, window)``: ``window`` is the number of state groups in flight while
-    the state streams from host memory (:func:`stream`), 0 where it stays on the device;
-    the plan's notes say what moves and its cost.
+    the state streams from host memory, 0 where it stays on the device; the plan's notes
+    say what moves and its cost.
     """
     from jaxmem.analyzing.costmodel import DeviceProfile
     from jaxmem.planning.budget.units import BudgetError, resolve_budget
     if not mode or info is None:
-        return search(budget), 0
-    freed = max(info.nbytes - WINDOW * info.largest_group, 0)
+        return search(budget, 0), 0
     prof = DeviceProfile.get(profile)
     link = info.transfer_time(prof)
     cost = f"{1e3 * link:.1f} ms/step over the host link ({prof.name})"
     if mode == "auto":
         try:
-            plan = search(budget)
+            plan = search(budget, 0)
         except BudgetError as e:
             why = f"residuals alone reach {fmt_bytes(e.minimum_bytes)}"
         else:
@@ -426,7 +427,7 @@ def with_budget(search: Callable[[Any], Any], budget: Any, mode: bool | str | Pr
                 return dataclasses.replace(plan, notes=plan.notes + (kept,)), 0
             b = resolve_budget(budget, plain_peak())
             try:
-                moved = search(b + freed)
+                moved = search(b, WINDOW)
             except BudgetError:
                 return dataclasses.replace(plan, notes=plan.notes + (kept,)), 0
             other = moved.recompute_flops / prof.flops_per_s
@@ -434,27 +435,31 @@ def with_budget(search: Callable[[Any], Any], budget: Any, mode: bool | str | Pr
                 return dataclasses.replace(plan, notes=plan.notes + (kept,)), 0
             note = (f"budget {fmt_bytes(b)}: optimizer state to host memory ({cost}) with "
                     f"{_ms(other)} of recompute, against {_ms(recompute)} of recompute "
-                    f"with the state on the device; residuals planned against "
-                    f"{fmt_bytes(b + freed)}")
+                    f"with the state on the device; {STREAMED_PEAKS}")
             return dataclasses.replace(moved, budget=b, notes=moved.notes + (note,)), WINDOW
     else:
         why = "offload_state=True"
     b = resolve_budget(budget, plain_peak())
     window = WINDOW
     try:
-        plan = search(b + freed)
+        plan = search(b, window)
     except BudgetError:
-        # One group in flight frees another group's bytes (a scanned model's stacked
-        # moments are one group per parameter: 14 GiB each at 8B), at the cost of the
-        # prefetch: each group's fetch waits for the previous group's write-back.
-        alone = max(info.nbytes - info.largest_group, 0)
-        if window == 1 or alone == freed:
+        # One group in flight keeps one group's bytes fewer on the device (a scanned
+        # model's stacked moments are one group per parameter: 14 GiB each at 8B), at the
+        # cost of the prefetch: each group's fetch waits for the previous group's write-back.
+        if info.groups <= 1:
             raise
-        window, freed = 1, alone
-        plan = search(b + freed)
+        window = 1
+        plan = search(b, window)
     inflight = ("" if window == WINDOW else
-                "; one group in flight (no prefetch): with two the residuals did not fit")
-    note = (f"budget {fmt_bytes(b)} ({why}): optimizer state to host memory frees "
-            f"{fmt_bytes(freed)} for {cost}; residuals planned against "
-            f"{fmt_bytes(b + freed)}{inflight}")
+                "; one group in flight (no prefetch): with two nothing fitted")
+    note = (f"budget {fmt_bytes(b)} ({why}): optimizer state to host memory "
+            f"({fmt_bytes(info.nbytes)} off the device) for {cost}; {STREAMED_PEAKS}"
+            f"{inflight}")
     return dataclasses.replace(plan, budget=b, notes=plan.notes + (note,)), window
+
+
+#: How a plan searched with the state streamed says what its peaks are.
+STREAMED_PEAKS = ("residuals searched on the streamed step's compiled peaks (in the "
+                  "search's figures above, each plus the state's bytes it takes off the "
+                  "device, against the budget plus the same)")
