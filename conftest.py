@@ -41,3 +41,18 @@ def _fresh_plan_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("JAXMEM_PLAN_CACHE_DIR", raising=False)
     plan_cache.set_dir(None)
     plan_cache.clear_memory()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compile_each_program_once(request: pytest.FixtureRequest):
+    """In a test module that sets ``COMPILE_ONCE = True``, each distinct lowered program is
+    compiled once (``tests._compiles.compile_once``): its tests compile the same plain steps
+    and candidate plans again and again (286 repeated compiles, 270 s of the suite's CPU
+    time, counted on 2026-12-05)."""
+    if not getattr(request.module, "COMPILE_ONCE", False):
+        yield
+        return
+    from tests._compiles import compile_once
+
+    with compile_once():
+        yield

@@ -16,3 +16,39 @@ def count_compiles(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(measure, "compile", counting)
     return calls
+
+
+def compile_once():
+    """A context in which ``jaxmem.measure.compile`` compiles each distinct lowered program
+    once and hands the same executable back for it again (modules that set
+    ``COMPILE_ONCE = True``, conftest.py). XLA's compile is deterministic; a program is
+    keyed by its whole text, the compiler options and where it is compiled for (the
+    backend, the argument and result shardings, with their devices), so a CUDA and a TPU
+    lowering of the same text stay apart. Not for modules that check that an executable is
+    reused (``is``) or count XLA's compiles rather than jaxmem's calls."""
+    import contextlib
+    import hashlib
+
+    import pytest
+
+    real, memo = measure.compile, {}
+
+    def key(lowered, options):
+        args = getattr(getattr(lowered, "_lowering", None), "compile_args", {})
+        where = repr((getattr(args.get("backend"), "platform", None),
+                      args.get("in_shardings"), args.get("out_shardings")))
+        return (hashlib.sha256(lowered.as_text().encode()).hexdigest(), where,
+                repr(sorted((options or {}).items())))
+
+    def compiled_once(lowered, options=None):
+        k = key(lowered, options)
+        if k not in memo:
+            memo[k] = real(lowered, options)
+        return memo[k]
+
+    @contextlib.contextmanager
+    def patched():
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(measure, "compile", compiled_once)
+            yield
+    return patched()

@@ -17,6 +17,9 @@ from benchmarks import zoo
 from jaxmem import _jax, measure
 from jaxmem.rewriting import blockwise
 
+# Its tests compile the same steps and plans again: each distinct program once (conftest.py).
+COMPILE_ONCE = True
+
 DOTS = jax.checkpoint_policies.dots_saveable
 
 

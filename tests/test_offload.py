@@ -12,6 +12,9 @@ import pytest
 import jaxmem
 from jaxmem.planning.budget import offload_name
 
+# Its tests compile the same steps and plans again: each distinct program once (conftest.py).
+COMPILE_ONCE = True
+
 
 def _step(tag: bool):
     ws = [jax.random.normal(jax.random.PRNGKey(i), (32, 32)) / 6 for i in range(3)]

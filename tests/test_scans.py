@@ -32,6 +32,9 @@ from jaxmem.rewriting.scans import (
 )
 from tests._fast_compile import fast_compile
 
+# Its tests compile the same steps and plans again: each distinct program once (conftest.py).
+COMPILE_ONCE = True
+
 _compile = fast_compile
 
 BF16_RTOL = 2.0**-6

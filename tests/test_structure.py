@@ -20,6 +20,9 @@ from jaxmem import _jax, measure, plan_cache, program
 from jaxmem.planning import strategies
 from jaxmem.tracing import structure
 
+# Its tests compile the same steps and plans again: each distinct program once (conftest.py).
+COMPILE_ONCE = True
+
 
 def _grad_step(loss):
     def step(params, batch):

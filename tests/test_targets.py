@@ -16,6 +16,9 @@ import pytest
 import jaxmem
 from jaxmem import measure, targets
 
+# Its tests compile the same steps and plans again: each distinct program once (conftest.py).
+COMPILE_ONCE = True
+
 
 @pytest.fixture(scope="module")
 def h100():

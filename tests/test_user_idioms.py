@@ -31,6 +31,9 @@ import jaxmem
 from jaxmem import measure
 from tests._compiles import count_compiles
 
+# Its tests compile the same steps and plans again: each distinct program once (conftest.py).
+COMPILE_ONCE = True
+
 RTOL = 2e-5  # docs/testing.md: 2e-5 of each leaf's scale in f32
 
 
