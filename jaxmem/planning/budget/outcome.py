@@ -135,6 +135,9 @@ def no_fit(basis: Basis, lowest: int, compiles: int, allow_off: bool) -> BudgetE
         f"reached is {fmt_bytes(lowest)} (plain jit: {fmt_bytes(basis.plain)}; "
         f"{compiles} compiles). Try offload=True to park residuals in host memory"
         + (" (already on)" if allow_off else "")
+        + ", offload_state=\"auto\" to keep the optimizer state there between steps "
+        "where the budget needs it (host memory is used only where asked: pinned memory is "
+        "the host's to give)"
         + ", jaxmem.chunked for a bottleneck layer (a wide MLP, an LM head), a smaller "
         "batch, or a larger budget."
         + "".join(f" {n}." for n in basis.notes if " not compiled: " in n),
