@@ -6,9 +6,11 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 import jaxmem
+from jaxmem import targets
 from jaxmem.analyzing.costmodel import CostModel, DeviceProfile
 from jaxmem.planning import strategies
 from jaxmem.planning.costs import step_costs
@@ -122,3 +124,17 @@ def test_the_scan_body_budget_choice_weighs_the_host_link():
     assert "below the step's compute" in by_time.notes[-1]
     by_flops = choose(cands, compile_with, budget=2 << 30)
     assert by_flops.policy.name == "offload all" and "fewest FLOPs" in by_flops.notes[0]
+
+
+def test_the_budget_search_weighs_on_the_target_it_compiles_for():
+    """A step compiled for the H100 target on a CPU machine is planned on the H100 profile
+    (it said "(profile cpu)" and ordered its candidates by CPU speeds), unless the Budget
+    names a profile."""
+    from jaxmem.compiling.plan_step import _budget_profile
+    from jaxmem.planning.budget import Budget
+
+    x = jax.ShapeDtypeStruct((8,), jnp.float32)
+    h100 = targets.require("h100").place([x])
+    assert _budget_profile(0.5, h100) == "h100"
+    assert _budget_profile(Budget(0.5, profile="h200"), h100) == "h200"
+    assert _budget_profile(0.5, [jnp.zeros(8)]) == "cpu"

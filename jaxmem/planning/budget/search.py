@@ -75,7 +75,8 @@ class _Search:
                 f"budget {fmt_bytes(self.requested)} is below the arguments' own size "
                 f"{fmt_bytes(analysis.argument_bytes)}: the parameters, optimizer state and "
                 "batch alone exceed it, before any activation. Shard the state across "
-                "devices, offload optimizer state, use a smaller model or batch, or raise "
+                "devices, keep the optimizer state in host memory (offload_state=\"auto\"), "
+                "use a smaller model or batch, or raise "
                 "the budget.", self.requested, analysis.argument_bytes)
         self.model = CostModel(analysis, profile or spec.profile, base_peak=plain)
         self.forced = offload_tagged(analysis)
