@@ -213,8 +213,10 @@ def _within_budget(options: Options, analysis: Analysis, step: Step, auto: Plan,
 
     def search(budget: Any, window: int) -> Plan:
         if window not in compiles:
-            compiles.clear()  # a search with fewer groups in flight replaces one with more
-            compiles[0] = _Compiles(step)
+            # a streamed search with fewer groups in flight replaces one with more; the
+            # step as traced keeps its compiles (its plan may still be the one that runs)
+            for w in [w for w in compiles if w]:
+                del compiles[w]
             compiles[window] = _Compiles(step, _streamer(options, step, window))
         c = compiles[window]
         # The streamed step's state is in host memory: its compiled peaks are searched
