@@ -24,7 +24,7 @@ from jaxmem.compiling.entry import Entry
 from jaxmem.compiling.offload_verify import check_offload
 from jaxmem.compiling.options import Options
 from jaxmem.compiling.plan_step import Made, make_plan
-from jaxmem.compiling.signature import Signature, bind, device_kind, device_of, profile_of
+from jaxmem.compiling.signature import Signature, bind, device_kind, profile_of
 from jaxmem.compiling.signature import shardings as shardings_of
 from jaxmem.compiling.trace_step import Traced, trace_step
 from jaxmem.memory import state_offload
@@ -119,10 +119,7 @@ def _runnable(options: Options, step: steps.Step, traced: Traced,
     jitted = step.plain if nothing else step.running(plan, traced.body)
     if not made.stream_state:
         return jitted, plan, compiled, ()
-    jitted, info = state_offload.wrap(jitted, step.program, step.args, step.flat,
-                                      step.donate_flat, options.offload_state,
-                                      device_of(step.flat), options.jit_kwargs,
-                                      window=made.stream_state)
+    jitted, info = step.streamed(jitted, options.offload_state, made.stream_state)
     if info is None:
         return jitted, plan, compiled, ()
     plan = dataclasses.replace(plan, state_offload=info, compiled=None,

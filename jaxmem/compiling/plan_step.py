@@ -25,7 +25,7 @@ from jaxmem.compiling.background import first_to_run
 from jaxmem.compiling.builtin_fallbacks import builtin_within, unplanned_budget, why_unplanned
 from jaxmem.compiling.offload_verify import device_peak, verified_offload
 from jaxmem.compiling.options import Options
-from jaxmem.compiling.signature import device_of, profile_of
+from jaxmem.compiling.signature import profile_of
 from jaxmem.compiling.steps import Step, read, rewrite_key
 from jaxmem.compiling.trace_step import scans
 from jaxmem.memory import state_offload
@@ -282,13 +282,10 @@ def _streamer(options: Options, step: Step, window: int
     """``jitted -> (jitted with the state streamed, window groups in flight; the abstract
     arguments to lower it with, the state's in pinned_host memory)``: what runs, as
     :func:`jaxmem.compiling.build._runnable` builds it."""
-    device = device_of(step.flat)
     abstract = background.stand_ins(list(step.flat))  # placing them moves no user array
 
     def stream(jitted: Any) -> tuple[Any, list[Any]]:
-        wrapped, info = state_offload.wrap(jitted, step.program, step.args, step.flat,
-                                           step.donate_flat, options.offload_state, device,
-                                           options.jit_kwargs, window=window)
+        wrapped, info = step.streamed(jitted, options.offload_state, window)
         return wrapped, state_offload.place(abstract, info.inputs if info else ())
     return stream
 

@@ -18,6 +18,8 @@ from typing import Any
 import jax
 
 from jaxmem import _jax
+from jaxmem.compiling.signature import device_of
+from jaxmem.memory import state_offload
 from jaxmem.planning.plan import Plan
 from jaxmem.rewriting import blockwise
 from jaxmem.rewriting.rewrite import apply
@@ -73,6 +75,14 @@ class Step:
             wrapped[:] = names
             return out
         return plain_jit(checkpointed, self.in_tree, self.donate_flat, self.jit_kwargs), wrapped
+
+    def streamed(self, jitted: Any, mode: Any, window: int) -> tuple[Any, Any]:
+        """``jitted`` (one of this step's programs) with the optimizer state streamed from
+        host memory: ``mode`` is ``offload_state``, ``window`` the groups in flight.
+        :func:`jaxmem.memory.state_offload.wrap`'s ``(jitted, StateOffload or None)``."""
+        return state_offload.wrap(jitted, self.program, self.args, self.flat,
+                                  self.donate_flat, mode, device_of(self.flat),
+                                  self.jit_kwargs, window=window)
 
     def running(self, plan: Plan, body: Any = None) -> Any:
         """The jitted step that runs ``plan``: the plain step, the step with its loss under
