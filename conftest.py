@@ -47,8 +47,7 @@ def _fresh_plan_cache(monkeypatch: pytest.MonkeyPatch) -> None:
 def _compile_each_program_once(request: pytest.FixtureRequest):
     """In a test module that sets ``COMPILE_ONCE = True``, each distinct lowered program is
     compiled once (``tests._compiles.compile_once``): its tests compile the same plain steps
-    and candidate plans again and again (286 repeated compiles, 270 s of the suite's CPU
-    time, counted on 2026-12-05)."""
+    and candidate plans again and again (docs/testing.md)."""
     if not getattr(request.module, "COMPILE_ONCE", False):
         yield
         return
