@@ -24,13 +24,19 @@ events, every compile JAX or jaxmem asks for, with their seconds) and of
 ``jaxmem.xla.measure.compile`` calls (jaxmem's own: the candidates, the budget search, the
 winner compiled in full).
 
+``--target h100`` (any :mod:`jaxmem.targets` name) places the arguments on that target's
+topology devices and times the first call's work up to its executable, compile-only
+(``.lower(state, batch).compile()``: trace, plan, compile; nothing runs), and records the
+compiled peak each mode ends at (``jax.jit``'s from its ``memory_analysis()``).
+
 ``--model corpus:NAME`` times an entry of :mod:`benchmarks.external.corpus` (another
 project's train step, ``step(state, batch)``) instead of a zoo model.
 
 Run:  python -m benchmarks.first_call [--model transformer] [--size bench] [--repeat 1]
-      [--modes plain,cold,warm,budget,background,predicted]
+      [--target cpu] [--modes plain,cold,warm,budget,background,predicted]
 Writes benchmarks/results/first_call.json and .md (``first_call-<model>-<size>.*`` for
-another model or size).
+another model or size; ``first_call-<target>-<model>-<size>-<modes>-<budget>.*`` for a
+target).
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ import json, resource, sys, time
 import jax
 import jax.monitoring
 from benchmarks import zoo
-mode, model, size = sys.argv[1:4]
+mode, model, size, _, target = sys.argv[1:6]
 xla = {"n": 0, "s": 0.0}
 def on_event(event, secs, **_):
     if event == "/jax/core/compile/backend_compile_duration":  # every XLA compile
@@ -74,6 +80,10 @@ if model.startswith("corpus:"):  # another project's train step (benchmarks.exte
 else:
     w = zoo.make(model, size=size)
 jax.block_until_ready((w.state, w.batch))
+state, batch = w.state, w.batch
+if target != "cpu":  # compile-only: the arguments on the target's topology devices
+    import jaxmem
+    state, batch = jaxmem.targets.place((state, batch), target)
 rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 n0, s0 = xla["n"], xla["s"]
 def cpu():
@@ -88,8 +98,16 @@ else:
     verify = mode if mode in ("background", "predicted") else True
     step = jaxmem.optimize(w.step, verify=verify, **kw)
 err = None
+peak = None
 try:  # a budget below what any plan reaches raises BudgetError: its compiles still count
-    jax.block_until_ready(step(w.state, w.batch))
+    if target == "cpu":
+        jax.block_until_ready(step(state, batch))
+    else:  # nothing to run on: the first call's work up to the executable
+        exe = step.lower(state, batch).compile()
+        if mode == "plain":
+            m = exe.memory_analysis()
+            peak = (m.argument_size_in_bytes + m.output_size_in_bytes
+                    + m.temp_size_in_bytes - m.alias_size_in_bytes)
 except Exception as e:
     err = f"{type(e).__name__}: {e}"[:300]
 t1, c1 = time.perf_counter(), cpu()
@@ -97,10 +115,12 @@ rec = {"seconds": t1 - t0, "cpu_seconds": c1 - c0}
 if err:
     rec.update(error=err, verified_seconds=t1 - t0)
 elif mode != "plain":  # until the verified plan is in place (background: step.plan waits)
-    plan = step.plan(w.state, w.batch)
+    plan = step.plan(state, batch)
     rec.update(verified_seconds=time.perf_counter() - t0, strategy=plan.strategy,
                peak=plan.compiled.peak if plan.compiled else None)
 # ru_maxrss: the process's high-water mark, KiB on Linux (the model built: rss_before)
+if peak is not None:
+    rec.update(peak=peak)
 rec.update(max_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
            rss_before_mib=rss0 / 1024, xla_compiles=xla["n"] - n0,
            xla_compile_seconds=xla["s"] - s0, jaxmem_compiles=calls["n"])
@@ -109,11 +129,11 @@ print(json.dumps(rec))
 
 
 def _run(mode: str, model: str, size: str, cache_dir: str,
-         budget: float = 0.5) -> dict[str, float]:
+         budget: float = 0.5, target: str = "cpu") -> dict[str, float]:
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
                JAXMEM_PLAN_CACHE_DIR=cache_dir, PYTHONPATH=str(ROOT))
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    r = subprocess.run([sys.executable, "-c", _CHILD, mode, model, size, str(budget)],
+    r = subprocess.run([sys.executable, "-c", _CHILD, mode, model, size, str(budget), target],
                        cwd=ROOT, env=env, capture_output=True, text=True)
     if r.returncode:
         raise RuntimeError(f"{mode}: {r.stderr[-2000:]}")
@@ -126,6 +146,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--size", default="bench")
     ap.add_argument("--repeat", type=int, default=1, help="runs of each; the median is kept")
     ap.add_argument("--budget", type=float, default=0.5, help="the budget mode's budget")
+    ap.add_argument("--target", default="cpu",
+                    help="cpu (run the first call), or a jaxmem.targets name such as h100: "
+                         "compile-only, the first call's work up to its executable")
     ap.add_argument("--modes", default=",".join(MODES),
                     help=f"which of {','.join(MODES)} (warm needs cold)")
     args = ap.parse_args(argv)
@@ -137,24 +160,29 @@ def main(argv: list[str] | None = None) -> dict:
             for m in ("plain", "cold", "warm"):
                 if m in runs:
                     runs[m].append(_run("jaxmem" if m != "plain" else m, args.model,
-                                        args.size, d))
+                                        args.size, d, target=args.target))
         for m in ("budget", "background", "predicted"):
             if m in runs:
                 with tempfile.TemporaryDirectory() as d:
-                    runs[m].append(_run(m, args.model, args.size, d, args.budget))
+                    runs[m].append(_run(m, args.model, args.size, d, args.budget,
+                                        args.target))
     result = _summary(args, runs, load)
     name = args.model.replace(":", "-")  # corpus:NAME -> a file name
     suffix = "" if args.size == "bench" and args.model == "transformer" else \
         f"-{name}-{args.size}"
     if modes != list(MODES):  # a subset: a file of its own
         suffix = f"-{name}-{args.size}-{'-'.join(modes)}-{args.budget:g}"
+    if args.target != "cpu":
+        suffix = f"-{args.target}-{name}-{args.size}-{'-'.join(modes)}-{args.budget:g}"
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"first_call{suffix}.json").write_text(json.dumps(result, indent=2) + "\n")
     md = _markdown(result)
     (RESULTS / f"first_call{suffix}.md").write_text(
         f"{args.model} ({args.size}), median of {args.repeat} run(s), each in a fresh "
         f"process: `python -m benchmarks.first_call --model {args.model} --size {args.size} "
-        f"--repeat {args.repeat}`; {os.cpu_count()} CPUs, load average "
+        f"--repeat {args.repeat} --target {args.target} --modes {','.join(modes)}`"
+        f"{' (compile-only: the seconds are up to the executable)' if args.target != 'cpu' else ''}"
+        f"; {os.cpu_count()} CPUs, load average "
         f"{load[0]:.1f} at the start; jax {result['jax']}, commit "
         f"{str(result['git_commit'])[:10]}, {result['date']}\n\n" + md)
     print(md)
@@ -175,7 +203,8 @@ def _summary(args: argparse.Namespace, runs: dict[str, list[dict]], load: tuple)
     """Medians per mode and the ratios to plain jax.jit."""
     med = {k: {m: statistics.median(r[k] for r in v) for m, v in runs.items()}
            for k in _KEYS}
-    result = {"model": args.model, "size": args.size, "repeat": args.repeat,
+    result = {"model": args.model, "size": args.size, "target": args.target,
+              "repeat": args.repeat,
               "budget": args.budget, **med}
     plain = "plain" in runs
     for m in runs:
@@ -204,6 +233,12 @@ def _meta(argv: list[str] | None) -> dict:
             "git_commit": commit, "jax": jax_version}
 
 
+def _peak(runs: list[dict]) -> str:
+    """The compiled peak the mode ends at (the first run's: it is deterministic), MiB."""
+    peak = runs[0].get("peak")
+    return f"{peak / 2**20:.2f}" if peak else ""
+
+
 def _markdown(result: dict) -> str:
     med = {k: result[k] for k in _KEYS}
     ver = result["verified_seconds"]
@@ -219,10 +254,11 @@ def _markdown(result: dict) -> str:
             f"| {f'{ver[m]:.2f}' if m in ver else ''} | {med['max_rss_mib'][m]:.0f} | "
             f"{med['max_rss_mib'][m] - med['rss_before_mib'][m]:.0f} | "
             f"{med['xla_compiles'][m]:.0f} | {med['xla_compile_seconds'][m]:.2f} | "
-            f"{med['jaxmem_compiles'][m]:.0f} |\n")
+            f"{med['jaxmem_compiles'][m]:.0f} | {_peak(result['runs'][m])} |\n")
     return ("| first call | seconds | / plain jit | CPU seconds | verified plan in place, s | "
             "peak RSS MiB | RSS growth in the call MiB | XLA compiles | XLA compile s | "
-            "jaxmem compiles |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+            "jaxmem compiles | compiled peak MiB |\n"
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
             + "".join(rows) + "".join(f"\n{_NAMES[m]}: {e}\n" for m, e in errors.items()))
 
 
