@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from jaxmem.analyzing.costmodel import PROFILES
 from jaxmem.memory import state_offload
 from jaxmem.tracing import arguments
 from jaxmem.tracing.program import check_leaves
@@ -179,8 +180,10 @@ def device_kind(flat: Sequence[Any]) -> str:
 
 
 def profile_of(flat: Sequence[Any]) -> str:
-    """The device profile preset of the arguments' target (``"cpu"`` where unknown)."""
+    """The device profile preset of the arguments' target (``"cpu"`` where unknown, or
+    where the target has no preset: a TPU's, for now; the printout names the profile)."""
     try:
-        return targets.of(flat).profile
+        profile = targets.of(flat).profile
     except Exception:  # noqa: BLE001 - a label for a note: never fail the step over it
         return "cpu"
+    return profile if str(profile).lower() in PROFILES else "cpu"
