@@ -11,9 +11,12 @@ in place, ``step.plan`` waiting for it). Wall seconds and CPU seconds (user + sy
 process, every thread summed) are both recorded: on a shared machine the wall time of one
 run swings with the load, its CPU time much less.
 
-``predicted``: an empty plan cache directory and ``verify="predicted"`` (candidates
-compiled one at a time in full, the plain step only when the model's margin is not there:
-:mod:`jaxmem.compiling.predicted`).
+``cold`` and ``warm`` run ``optimize``'s default ``verify=True`` (since issue 37: the
+best-predicted candidates compiled in full, the plain step only when the model's margin is
+not there, :mod:`jaxmem.compiling.predicted`); ``builtins``: an empty plan cache directory
+and ``verify="builtins"`` (the default before: the three best-predicted plans, the plain
+step and the two built-in policies compiled, the lowest kept); ``predicted``: the
+default's earlier name, for results recorded before the change.
 
 ``budget``: an empty plan cache directory and ``budget=--budget`` (default 0.5: the budget
 search's compiles; a budget no plan meets raises ``BudgetError``, recorded as ``error``).
@@ -95,7 +98,7 @@ if mode == "plain":
 else:
     import jaxmem
     kw = {"budget": float(sys.argv[4])} if mode == "budget" else {}
-    verify = mode if mode in ("background", "predicted") else True
+    verify = mode if mode in ("background", "predicted", "builtins") else True
     step = jaxmem.optimize(w.step, verify=verify, **kw)
 err = None
 peak = None
@@ -161,7 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
                 if m in runs:
                     runs[m].append(_run("jaxmem" if m != "plain" else m, args.model,
                                         args.size, d, target=args.target))
-        for m in ("budget", "background", "predicted"):
+        for m in ("budget", "background", "predicted", "builtins"):
             if m in runs:
                 with tempfile.TemporaryDirectory() as d:
                     runs[m].append(_run(m, args.model, args.size, d, args.budget,
@@ -189,12 +192,13 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
-MODES = ("plain", "cold", "warm", "budget", "background", "predicted")
+MODES = ("plain", "cold", "warm", "budget", "background", "predicted", "builtins")
 _NAMES = {"plain": "`jax.jit`", "cold": "`jaxmem.optimize`, cold plan cache",
           "warm": "`jaxmem.optimize`, warm plan cache",
           "budget": "`jaxmem.optimize(budget=0.5)`, cold plan cache",
           "background": "`jaxmem.optimize(verify=\"background\")`, cold plan cache",
-          "predicted": "`jaxmem.optimize(verify=\"predicted\")`, cold plan cache"}
+          "predicted": "`jaxmem.optimize(verify=\"predicted\")`, cold plan cache",
+          "builtins": "`jaxmem.optimize(verify=\"builtins\")`, cold plan cache"}
 _KEYS = ("seconds", "cpu_seconds", "max_rss_mib", "rss_before_mib", "xla_compiles",
          "xla_compile_seconds", "jaxmem_compiles")
 

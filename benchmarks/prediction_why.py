@@ -98,7 +98,7 @@ def _candidates(w: Any, target: str) -> tuple[Any, list[Any]]:
     original, choose.compile_candidates = choose.compile_candidates, spy
     plan_cache.clear_memory()
     try:
-        jaxmem.optimize(w.step, donate_argnums=(0,)).plan(*args)
+        jaxmem.optimize(w.step, donate_argnums=(0,), verify="all").plan(*args)
     except _Got:
         pass
     finally:

@@ -135,7 +135,9 @@ class Optimized:
         return entry.jitted.trace(*flat)
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
-        """The :class:`~jaxmem.planning.plan.Plan` for these arguments, with compiled figures."""
+        """The :class:`~jaxmem.planning.plan.Plan` for these arguments, with compiled figures
+        (the plan's and plain ``jax.jit``'s: the latter compiled here where the first call
+        did not need it)."""
         entry, flat, _ = self._prepare(args, kwargs)
         background.adopt(entry, wait=True)
         if entry.plan.compiled is None:
@@ -144,6 +146,10 @@ class Optimized:
             baseline = self._baseline(entry, flat)
             entry.plan = entry.plan.with_figures(read(entry.compiled, entry.jitted, flat),
                                                  baseline)
+        elif entry.plan.baseline is None:
+            # verify=True checked the plan against the plain step's predicted peak and did
+            # not compile it: the report compiles it now, off the first call's path
+            entry.plan = entry.plan.with_figures(baseline=self._baseline(entry, flat))
         return entry.plan
 
     def analysis(self, *args: Any, **kwargs: Any) -> Analysis:
@@ -228,31 +234,33 @@ def optimize(fn: Callable[..., Any] | None = None, *, budget: Any = None,
         donation. Pass ``()`` to donate nothing (keep using the old arrays) or indices.
       max_recompute_fraction: cap on the recompute FLOPs of the ``"auto"`` plan, as a
         fraction of the step's FLOPs (cheapest bytes first).
-      verify: compile the automatic mode's candidate plans (the rewrite's, per layer and
-        per block: :func:`jaxmem.planning.strategies.auto_candidates`; and the step with its loss
-        differentiated under ``jax.checkpoint(policy=dots_saveable)``, what a user can do
-        without editing the model) and the plain step on the arguments' target, keep the
-        smallest; keep the plain step (with a warning and a note in the plan) if no plan's
-        compiled peak is lower. This guarantees ``optimize`` is never worse than
-        ``jax.jit``, nor than that built-in policy on the whole loss. Of the candidate
-        plans only the three with the lowest peaks jaxmem's cost model predicts are
-        compiled (all of them only if none of those is below the plain step), so the first
-        call compiles about six programs (a plan cache hit compiles only the step).
-        ``"all"``: compile every candidate plan (slower; the choice of earlier releases).
-        ``"predicted"``: compile the candidate plans one at a time, in full, best predicted
-        first, and run the first that compiles more than the cost model's error bound
-        (10%) below the plain step's *predicted* peak, or else below its compiled peak
-        (then compiled too); one compile where the margin allows
-        (:mod:`jaxmem.compiling.predicted`). It trusts the model within that bound and
-        does not compile the built-in policies, so it promises less than ``True``.
+      verify: check the automatic mode's plan by compiling it on the arguments' target.
+        ``True`` (the default): rank the candidate plans (the rewrite's, per layer and per
+        block: :func:`jaxmem.planning.strategies.auto_candidates`) by the peak jaxmem's
+        cost model predicts, compile the best predicted in full (with any the model ties
+        with it, and the one whose rewritten step is predicted lowest), and run the first
+        that compiles more than the model's error bound for the target (10%) below the
+        plain step's *predicted* peak, or else below its *compiled* peak (the plain step
+        then compiled too); the next best only when it does not (at most three plans).
+        What runs has been compiled and checked against the plain step, and is the
+        executable the first call runs (nothing is compiled again): one compile where the
+        margin allows, where ``jax.jit`` makes one (:mod:`jaxmem.compiling.predicted`).
+        If no plan passes, the plain step runs, with a warning and a note in the plan.
+        ``"builtins"`` (the default until issue 37; about six compiles): compile the three
+        best-predicted plans, the plain step, and the step with its loss differentiated
+        under ``jax.checkpoint(policy=dots_saveable)`` whole and per block (what a user
+        can do without editing the model), and keep the lowest: never above ``jax.jit``
+        nor those built-ins on the step's compiler. ``"all"``: the same with every
+        candidate plan compiled. ``"predicted"``: ``True``'s earlier name.
         ``"background"``: the first call compiles and runs MEDL's auto plan alone
         (unverified, as ``verify=False`` would), then the candidates and the plain step
         compile in a thread while later calls run; the lowest takes over at the first call
         after that (logged at INFO, noted in the plan) and goes to the plan cache, so a
-        restart starts on it. ``.plan``/``.lower``/``.trace`` wait for it. The swap changes
+        restart starts on it (it verifies as ``"builtins"`` does: the compiles are off the
+        first call's path). ``.plan``/``.lower``/``.trace`` wait for it. The swap changes
         which program runs mid-training (same results up to float rounding), so it applies
         to single-process runs only (several processes verify before the first call, as with
-        ``True``), and not with a ``budget``, offload, or a thread-local JAX context
+        ``"builtins"``), and not with a ``budget``, offload, or a thread-local JAX context
         (``jax.default_matmul_precision(...)`` around the first call), which also verify first.
       remat_scans: run the bodies of ``lax.scan`` (``nn.scan``/``nnx.scan`` stacks) under
         ``jax.checkpoint(policy=jaxmem.policies.utility)`` while tracing, so layers inside a

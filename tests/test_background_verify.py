@@ -35,7 +35,7 @@ def _fresh_plans():
 
 def test_background_verification_ends_on_the_verified_plan(caplog):
     ref = jax.jit(step)(WS, X)
-    verified = jaxmem.optimize(step, donate_argnums=()).plan(WS, X)
+    verified = jaxmem.optimize(step, donate_argnums=(), verify="builtins").plan(WS, X)
     plan_cache.clear_memory()
 
     bg = jaxmem.optimize(step, donate_argnums=(), verify="background")
@@ -55,8 +55,8 @@ def test_background_verification_ends_on_the_verified_plan(caplog):
     _close(bg(WS, X), ref)  # calls after the swap run the verified executable
     _close(bg(WS, X), ref)
 
-    # the verified plan is what the plan cache holds, shared with verify=True
-    again = jaxmem.optimize(step, donate_argnums=())
+    # the verified plan is what the plan cache holds, shared with verify="builtins"
+    again = jaxmem.optimize(step, donate_argnums=(), verify="builtins")
     assert again.plan(WS, X).strategy == verified.strategy
     assert not any("not verified" in n for n in again.plan(WS, X).notes)
 
@@ -104,7 +104,7 @@ def test_a_first_plan_above_the_plain_prediction_waits_for_verification(monkeypa
     assert entry.plan.compiled is not None
 
 
-def test_verify_must_be_true_false_background_all_or_predicted():
-    with pytest.raises(ValueError, match="verify must be True, False, 'background', 'all' or "
-                                         "'predicted'"):
+def test_verify_must_be_one_of_its_options():
+    with pytest.raises(ValueError, match="verify must be True, False, 'builtins', 'all', "
+                                         "'background' or 'predicted'"):
         jaxmem.optimize(step, verify="later")

@@ -329,7 +329,7 @@ def test_verify_keeps_the_plain_step_when_no_plan_is_smaller():
         plan = opt.plan(*args)
     assert plan.strategy == "none" and not plan.recompute
     assert plan.compiled.peak == plan.baseline.peak
-    assert any("not below the plain step" in n for n in plan.notes)
+    assert any("below the plain step" in n for n in plan.notes), plan.notes
     assert_same(jax.jit(step)(*args), opt(*args))
 
 
@@ -447,7 +447,7 @@ def test_a_loss_jax_checkpoint_cannot_take_skips_the_builtin_candidate():
     k = jax.random.split(jax.random.key(3), 4)
     ws = [jax.random.normal(k[i], (128, 128)) * 0.1 for i in range(3)]
     x = jax.random.normal(k[3], (256, 128))
-    opt = jaxmem.optimize(step, donate_argnums=())
+    opt = jaxmem.optimize(step, donate_argnums=(), verify="builtins")
     want, got = jax.jit(step)(ws, x), opt(ws, x)
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

@@ -91,9 +91,9 @@ def test_progress_is_logged(caplog):
 
 def test_a_step_without_scans_is_traced_once_per_plan(tmp_path):
     """The step's Python runs once to trace its program (and once more for each of the plain
-    step the plan is verified against and the two built-in candidates); a cache hit traces it
-    once. A scan-body choice, which traces the step under each body policy, is skipped when
-    the step has no scan."""
+    step the plan is verified against and, with ``verify="builtins"``, the two built-in
+    candidates); a cache hit traces it once. A scan-body choice, which traces the step under
+    each body policy, is skipped when the step has no scan."""
     from benchmarks import zoo
 
     w = zoo.make("mlp", size="test")
@@ -110,6 +110,11 @@ def test_a_step_without_scans_is_traced_once_per_plan(tmp_path):
     first = jaxmem.optimize(counted)
     first(state(), w.batch)
     assert first.plan(state(), w.batch).recompute  # the plan runs, not the plain step
+    # the program, and plain jax.jit where the plan is checked against its compiled peak
+    assert 1 <= len(traces) <= 2
+    traces.clear()
+    first = jaxmem.optimize(counted, verify="builtins")
+    first(state(), w.batch)
     # the program, plain jax.jit for the verifying compile, and the step with its loss under
     # jax.checkpoint(policy=dots_saveable), whole and per block (the built-in candidates)
     assert len(traces) == 4
@@ -164,14 +169,14 @@ def test_the_builtin_policy_candidate_runs_and_is_cached(tmp_path, compiles, mon
 
     want = jax.jit(step)(state(), *batch)
     plan_cache.set_dir(tmp_path)
-    first = jaxmem.optimize(step)
+    first = jaxmem.optimize(step, verify="builtins")
     got = first(state(), *batch)
     plan = first.plan(state(), *batch)
     assert plan.loss_policy == "dots_saveable"
     assert plan.compiled.peak < plan.baseline.peak
     plan_cache.clear_memory()
     compiles.clear()
-    second = jaxmem.optimize(step)
+    second = jaxmem.optimize(step, verify="builtins")
     again = second(state(), *batch)
     assert len(compiles) == 1  # the cached plan's step: no planning compile
     assert second.plan(state(), *batch).loss_policy == "dots_saveable"

@@ -1,4 +1,5 @@
-"""``verify="predicted"`` (jaxmem.compiling.predicted): the best-predicted candidate
+"""The default ``verify=True`` (jaxmem.compiling.predicted; ``"predicted"`` is its earlier
+name): the best-predicted candidate
 compiled first and in full; the plain step compiled only when the plan is not below its
 predicted peak by the model's error bound. Synthetic figures for the order of compiles, a
 small step for the results and the compile count."""
@@ -17,6 +18,7 @@ from benchmarks.zoo.small import MLP, make_step
 from jaxmem import measure
 from jaxmem.compiling import choose, predicted
 from jaxmem.compiling.choose import Candidate
+from jaxmem.compiling.options import Options
 from jaxmem.xla.measure import Figures
 from tests._compiles import count_compiles
 
@@ -36,29 +38,61 @@ class _Model:
 
 
 def _run(monkeypatch, compiled: dict[str, int], plain_predicted: int = 100,
-         plain: int = 100, predictions=(40, 10, 30, 20), rewritten=None):
+         plain: int = 100, predictions=(40, 10, 30, 20), rewritten=None,
+         min_bytes: int = 0):
     """``predicted.predicted`` over four candidates (predicted 40, 10, 30, 20) with
     synthetic compiled peaks: what was compiled, in order (a group compiled together
     joined by "+"), and what runs."""
     order: list[str] = []
+    events: list[str] = []  # compiles started and rewritten steps analysed, in order
     cands = [Candidate(SimpleNamespace(strategy=n, recompute=p, offload=(), notes=(),
                                        donated=(0,)), None, None)
              for n, p in zip("abcd", predictions, strict=True)]
     monkeypatch.setattr(predicted, "CostModel", _Model)
+    monkeypatch.setattr(predicted, "PLAIN_MIN_BYTES", min_bytes)
     monkeypatch.setattr(predicted, "rewrite_candidates", lambda *a: list(cands))
-    monkeypatch.setattr(choose, "rewritten_peak", lambda c, step, platform: (
-        (rewritten or {}).get(c.plan.strategy)))
 
-    def compile_one(cs, step):
-        order.append("+".join(c.plan.strategy for c in cs))
-        return ([_fig(compiled[c.plan.strategy]) for c in cs],
-                [f"exe {c.plan.strategy}" for c in cs])
+    def rewritten_peak(c, step, platform):
+        events.append(f"analysed {c.plan.strategy}")
+        return (rewritten or {}).get(c.plan.strategy)
+
+    monkeypatch.setattr(choose, "rewritten_peak", rewritten_peak)
+
+    class Compiles:  # predicted._Compiles without XLA: start records, results compiles
+        def __init__(self, step):
+            self.started = set()
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def start(self, cs):
+            for c in cs:
+                if c.plan.strategy not in self.started:
+                    self.started.add(c.plan.strategy)
+                    events.append(f"started {c.plan.strategy}")
+
+        def start_plain(self):
+            events.append("started plain")
+
+        def plain(self):
+            if not hasattr(self, "base"):
+                self.base = predicted._plain(None)
+            return self.base
+
+        def results(self, cs):
+            self.start(cs)
+            order.append("+".join(c.plan.strategy for c in cs))
+            return ([_fig(compiled[c.plan.strategy]) for c in cs],
+                    [f"exe {c.plan.strategy}" for c in cs])
 
     def compile_plain(step):
         order.append("plain")
         return _fig(plain), "exe plain"
 
-    monkeypatch.setattr(predicted, "_compiled", compile_one)
+    monkeypatch.setattr(predicted, "_Compiles", Compiles)
     monkeypatch.setattr(predicted, "_plain", compile_plain)
     monkeypatch.setattr(predicted, "_kept", lambda plan, fig, base, tried, check: (
         plan.strategy, base is not None, check))
@@ -67,6 +101,7 @@ def _run(monkeypatch, compiled: dict[str, int], plain_predicted: int = 100,
     analysis = SimpleNamespace(peak_bytes=plain_predicted, platform="cpu")
     step = SimpleNamespace(platform="cpu")
     options = SimpleNamespace(max_recompute_fraction=0.05)
+    _run.events = events
     return order, predicted.predicted(SimpleNamespace(donated=(0,)), analysis, step, options)
 
 
@@ -118,6 +153,33 @@ def test_the_rewritten_steps_best_is_compiled_with_the_first_group(monkeypatch):
     assert predicted._first_with([[1], [3]], None) == [[1], [3]]
 
 
+def test_the_first_group_compiles_while_the_rewritten_steps_are_analysed(monkeypatch):
+    """The cost model's first group is handed to the compiler before the rewritten steps
+    are traced and analysed (which takes seconds at a real width), so the two overlap; the
+    rewritten step's best joins it after."""
+    _run(monkeypatch, dict(a=60, b=80, c=70, d=75), predictions=(40, 10, 30, 10),
+         rewritten=dict(a=55, b=70, c=65, d=66))
+    events = _run.events
+    assert events[:2] == ["started b", "started d"], events
+    assert events.index("started a") > max(i for i, e in enumerate(events)
+                                           if e.startswith("analysed")), events
+
+
+def test_a_small_step_compiles_the_plain_step_beside_the_first_group(monkeypatch):
+    """Below ``PLAIN_MIN_BYTES`` the predicted plain peak is not trusted (small steps are
+    predicted worse, and compile fast): the plain step compiles from the start, and a plan
+    well below the predicted plain peak is still checked against the compiled one."""
+    order, ((name, plain_compiled, check), _) = _run(
+        monkeypatch, dict(a=60, b=80, c=70, d=75), min_bytes=101)
+    assert _run.events[:2] == ["started b", "started plain"], _run.events
+    assert order == ["b", "plain"] and name == "b" and plain_compiled
+    assert "compiled peak" in check
+    # the case it guards: the plain step over-predicted, the plan above the compiled plain
+    order, (kept, _) = _run(monkeypatch, dict(a=95, b=85, c=97, d=96), plain=84,
+                            min_bytes=101)
+    assert kept == ("plain", 84) and order == ["b", "plain", "d", "c"]
+
+
 def test_groups_stop_once_the_best_predicted_are_in():
     assert predicted._tied([40, 10, 30, 10, 10], 3) == [[1, 3, 4]]
     assert predicted._tied([40, 10, 30, 20], 3) == [[1], [3], [2]]
@@ -147,7 +209,7 @@ def test_predicted_mode_matches_jit_below_its_peak_compiling_each_program_once(
     plain = measure.measure(jax.jit(step), state, x, y)  # nothing donated, as below
     ref = jax.jit(step)(state, x, y)
     calls = count_compiles(monkeypatch)
-    opt = jaxmem.optimize(step, donate_argnums=(), verify="predicted")
+    opt = jaxmem.optimize(step, donate_argnums=())  # the default, verify=True
     out = opt(state, x, y)
     first = len(calls)
     opt(state, x, y)
@@ -156,21 +218,28 @@ def test_predicted_mode_matches_jit_below_its_peak_compiling_each_program_once(
             a, b = jax.random.key_data(a), jax.random.key_data(b)
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-7)
     plan = opt.plan(state, x, y)
-    note = next(n for n in plan.notes if n.startswith("verify='predicted'"))
+    note = next(n for n in plan.notes if n.startswith("verify: "))
     n = int(re.search(r"compiled (\d+) candidate", note).group(1))
     plain_compiled = "plain step was not compiled" not in note
     assert len(calls) == first == n + plain_compiled, (len(calls), first, note)
     assert plan.compiled.peak < plain.peak, (plan.compiled, plain)
 
 
-def test_predicted_is_a_verify_option_of_its_own():
-    with pytest.raises(ValueError, match="'predicted'"):
+def test_verify_names_its_options_and_shares_plans_between_aliases():
+    """A misspelt ``verify`` names every option; ``"predicted"`` (the default's earlier
+    name) plans as ``True`` does and ``"background"`` ends as ``"builtins"`` does, so each
+    pair shares a plan cache entry, and the three procedures do not."""
+    with pytest.raises(ValueError, match="'builtins'.*'predicted'"):
         jaxmem.optimize(lambda x: x, verify="predict")
+    key = {v: repr(Options(None, "auto", False, "auto", 0.05, v, True, False, {}).cache_key(()))
+           for v in (True, "predicted", "builtins", "background", "all", False)}
+    assert key[True] == key["predicted"] and key["builtins"] == key["background"]
+    assert len({key[v] for v in (True, "builtins", "all", False)}) == 4
 
 
 def test_the_steps_analysis_is_for_its_compiler_and_its_donation(mlp):
     """The analysis a plan is made from (whose cost model ranks the candidates, and whose
-    plain-step prediction ``verify="predicted"`` may check a plan against) predicts for the
+    plain-step prediction the default ``verify`` may check a plan against) predicts for the
     compiler the arguments are compiled by, with the step's donation: without it the plain
     peak is overstated by the state the step updates in place."""
     step, state, (x, y) = mlp

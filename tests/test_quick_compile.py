@@ -1,5 +1,6 @@
 """Figures-only compiles: the same figures as full compiles, the same plan chosen, and the
-winner compiled in full to run."""
+winner compiled in full to run (``verify="builtins"`` and ``"all"``: the default compiles
+its few candidates in full)."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def options_seen(monkeypatch):
 
 def test_same_plan_as_full_compiles_and_winner_runs_fully_optimised(monkeypatch, options_seen):
     plan_cache.clear_memory()
-    quick = jaxmem.optimize(step, donate_argnums=())
+    quick = jaxmem.optimize(step, donate_argnums=(), verify="builtins")
     out = quick(WS, X)
     p_quick = quick.plan(WS, X)
     assert p_quick.recompute  # a candidate won: its executable is the one compiled again
@@ -66,7 +67,7 @@ def test_same_plan_as_full_compiles_and_winner_runs_fully_optimised(monkeypatch,
     plan_cache.clear_memory()
     monkeypatch.setenv("JAXMEM_QUICK_COMPILE", "0")
     options_seen.clear()
-    full = jaxmem.optimize(step, donate_argnums=())
+    full = jaxmem.optimize(step, donate_argnums=(), verify="builtins")
     full(WS, X)
     p_full = full.plan(WS, X)
     assert all(o == {} for o in options_seen)

@@ -167,7 +167,7 @@ def test_optimize_matches_jit_and_lowers_peak_where_names_miss_layers(name, monk
     the automatic mode's candidates (traced from the user's own), compiled the same way."""
     step, args, _ = MODELS[name]()
     want_loss, want_grads = jax.jit(step)(*args)
-    opt = jaxmem.optimize(step, donate_argnums=())
+    opt = jaxmem.optimize(step, donate_argnums=(), verify="builtins")
     loss, grads = opt(*args)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),

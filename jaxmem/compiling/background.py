@@ -166,8 +166,8 @@ def adopt(entry: Entry, wait: bool = False) -> None:
     except Exception as e:  # noqa: BLE001 - the running plan stays; say why
         note = (f"background verification failed ({type(e).__name__}: "
                 f"{str(e).splitlines()[0][:200] if str(e) else ''}); the unverified "
-                f"{entry.plan.strategy!r} plan keeps running (verify=True verifies "
-                "before the first call)")
+                f"{entry.plan.strategy!r} plan keeps running (verify=True or 'builtins' "
+                "verifies before the first call)")
         log.warning("jaxmem: %s", note)
         entry.plan = dataclasses.replace(entry.plan, notes=entry.plan.notes + (note,))
         return

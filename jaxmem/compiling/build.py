@@ -83,7 +83,7 @@ def _traced_step(opt: Any, options: Options, fn: Callable[..., Any],
     donated = donation.decide(options.donate_argnums, sig.dyn_args, traced.program)
     donate_flat = flat_donated(sig.dyn_args, donated.argnums)
     # the cost model predicts for the compiler the step is compiled by, with its donation
-    # (the plain step's predicted peak is what verify="predicted" checks plans against)
+    # (the plain step's predicted peak is what verify=True checks plans against)
     analysis = from_program(traced.program, donated=donate_flat, platform=platform)
     check_offload(analysis, flat, platform, options.offload)
     step = steps.make(traced.program, fn, (sig.dyn_args, sig.kwargs), donated.argnums,

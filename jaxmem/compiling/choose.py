@@ -1,13 +1,15 @@
 """The choice among compiled candidates: never above plain ``jax.jit``, nor the built-in.
 
-Part of the fifth box (:mod:`jaxmem.compiling`): ``verify`` for the automatic mode (no
-budget, no offload). :func:`verified` compiles, side by side and for their figures only
+Part of the fifth box (:mod:`jaxmem.compiling`): ``verify="builtins"`` and ``"all"`` for
+the automatic mode (no budget, no offload; ``verify=True`` is :mod:`.predicted`).
+:func:`verified` compiles, side by side and for their figures only
 (:mod:`.quick_compile`), the plain step, the rewrite of each candidate plan
 (:func:`rewrite_candidates`) and the user's step with its loss under the built-in policy
-:data:`LOSS_POLICY`, around the whole loss and around each block (:func:`builtin_candidates`),
-on the arguments' target; it keeps the lowest compiled peak (:func:`jaxmem.xla.measure.lowest`:
-peaks within ``PEAK_TIE``, the fewest FLOPs) and compiles that one in full to run. When no
-candidate compiles below the plain step, the plain step runs, with a warning and a note.
+:data:`LOSS_POLICY`, around the whole loss and around each block
+(:func:`builtin_candidates`), on the arguments' target; it keeps the lowest compiled peak
+(:func:`jaxmem.xla.measure.lowest`: peaks within ``PEAK_TIE``, the fewest FLOPs) and
+compiles that one in full to run. When no candidate compiles below the plain step, the
+plain step runs, with a warning and a note.
 """
 
 from __future__ import annotations

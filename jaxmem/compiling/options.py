@@ -20,7 +20,7 @@ from jaxmem.memory import state_offload
 from jaxmem.planning.budget import parse_budget
 
 STRATEGIES = ("auto", "none")
-VERIFY = (True, False, "background", "all", "predicted")
+VERIFY = (True, False, "background", "all", "predicted", "builtins")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,9 +39,10 @@ class Options:
 
     def cache_key(self, donate_flat: tuple[int, ...]) -> tuple[Any, ...]:
         """What changes the plan besides the program and target: the plan cache's key."""
-        # verify="background" ends with the plan verify=True makes: one cache entry for both
-        verify = (self.verify if self.verify in ("all", "predicted")
-                  else self.verify is not False)
+        # verify="background" ends with the plan verify="builtins" makes, and "predicted"
+        # is True's earlier name: one cache entry for each pair
+        verify = (False if self.verify is False else "all" if self.verify == "all"
+                  else "builtins" if self.verify in ("builtins", "background") else "ranked")
         return (self.budget, self.strategy, self.offload, self.max_recompute_fraction,
                 verify, self.remat_scans, donate_flat,
                 sorted(self.jit_kwargs.items()))
@@ -57,8 +58,8 @@ def check(*, budget: Any, strategy: Any, offload: Any, donate_argnums: Any,
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if not any(verify is v or (isinstance(v, str) and verify == v) for v in VERIFY):
-        raise ValueError(f"verify must be True, False, 'background', 'all' or 'predicted', "
-                         f"got {verify!r}")
+        raise ValueError(f"verify must be True, False, 'builtins', 'all', 'background' or "
+                         f"'predicted' (True's earlier name), got {verify!r}")
     _check_values(budget, offload, donate_argnums, max_recompute_fraction)
     unknown = set(jit_kwargs) - {"keep_unused", "inline"}
     if unknown:

@@ -299,7 +299,7 @@ def _verify(options: Options, analysis: Analysis, step: Step, plan: Plan, compil
         return verified_offload(plan, analysis, step, options.offload)
     if plan.inner and not plan.recompute:  # planned inside loop / shard_map bodies
         return choose.verified_as_is(plan, analysis, step)
-    if options.verify == "predicted":
+    if options.verify is True or options.verify == "predicted":
         return predicted.predicted(plan, analysis, step, options)
     if not defer:
         return choose.verified(plan, analysis, step, options)

@@ -1,4 +1,5 @@
-"""``verify="predicted"``: one compile where the cost model's margin allows, checked.
+"""``verify=True`` (the default): the best-predicted plans compiled to check, one compile
+where the cost model's margin allows.
 
 Part of the fifth box (:mod:`jaxmem.compiling`), beside :mod:`.choose` (issue 37). The
 candidate plans (:func:`.choose.rewrite_candidates`) are ranked by the peak jaxmem's cost
@@ -19,21 +20,24 @@ The first that passes runs:
 The candidates compiled are those :func:`.choose.ranked` would compile first (the
 :data:`~jaxmem.compiling.choose.TOP` best predicted, and every one tied with the last of
 them, so more than ``TOP`` where many tie); when none passes,
-the plain step runs (compiled already), with a warning and a note, as with ``verify=True``.
+the plain step runs (compiled already), with a warning and a note.
 The built-in candidates (``jax.checkpoint(policy=dots_saveable)`` around the loss and its
-blocks) are not compiled: this mode does not promise to be at or below them; ``True``
-does. The plan's notes say which check each plan passed.
+blocks) are not compiled: this mode does not promise to be at or below them;
+``verify="builtins"`` (:func:`.choose.verified`, the default before issue 37) does. The
+plan's notes say which check each plan passed. ``verify="predicted"`` is this mode's
+earlier name.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
 import warnings
 from typing import Any
 
 from jaxmem.analyzing.analysis import Analysis
 from jaxmem.analyzing.costmodel import CostModel
-from jaxmem.compiling import quick_compile
 from jaxmem.compiling.choose import TOP, Candidate, rewrite_candidates, rewritten_best
 from jaxmem.compiling.options import Options
 from jaxmem.compiling.steps import Step, read
@@ -49,6 +53,13 @@ from jaxmem.xla.measure import Figures, fmt_bytes, lowest
 #: compiles the plain step.
 PLAIN_ERROR: dict[str, float] = {"cpu": 0.10, "cuda": 0.10, "gpu": 0.10, "tpu": 0.10}
 
+#: Below this predicted plain peak the plain step is always compiled (side by side with the
+#: first candidates): the bound above was measured on the zoo's bench steps (50 MiB and
+#: more); on small steps fixed terms (per-buffer alignment, small parameters, scheduling of
+#: a few values) weigh more and the model is off by more (an nnx step of 1.11 KiB was
+#: predicted at 1.32, +19%), and their compiles take little time anyway.
+PLAIN_MIN_BYTES = 16 * 2**20
+
 
 def predicted(plan: Plan, analysis: Analysis, step: Step, options: Options
               ) -> tuple[Plan, Any]:
@@ -57,32 +68,85 @@ def predicted(plan: Plan, analysis: Analysis, step: Step, options: Options
     cands = rewrite_candidates(plan, analysis, step, options)
     model = CostModel(analysis)
     pred = [model.evaluate(c.plan.recompute, c.plan.offload).peak for c in cands]
-    bound = PLAIN_ERROR.get(step.platform)
     plain_pred = analysis.peak_bytes
+    bound = PLAIN_ERROR.get(step.platform) if plain_pred >= PLAIN_MIN_BYTES else None
     base: tuple[Figures, Any] | None = None
     tried: list[str] = []
-    for group in _first_with(_tied(pred, TOP),
-                             rewritten_best(cands, step, analysis.platform)):
-        figs, exes = _compiled([cands[i] for i in group], step)
-        tried += [f"{cands[i].plan.strategy} {fmt_bytes(f.peak)}"
-                  for i, f in zip(group, figs, strict=True)]
-        k = lowest(figs)
-        c, fig, exe = cands[group[k]], figs[k], exes[k]
-        if base is None and bound is not None and fig.peak < plain_pred * (1 - bound):
-            return _kept(c.plan, fig, None, tried, (
-                f"checked against the plain step's predicted peak "
-                f"{fmt_bytes(plain_pred)}: more than {bound:.0%} below it (the cost "
-                "model's error bound on this target), so the plain step was not compiled"
-                )), exe
+    groups = _tied(pred, TOP)
+    with _Compiles(step) as compiles:
+        # The cost model's first group compiles while the rewritten steps are traced and
+        # analysed (Python; XLA's compile does not hold the GIL).
+        compiles.start([cands[i] for i in groups[0]] if groups else [])
+        if bound is None:  # the check needs the plain step's compiled peak: start it too
+            compiles.start_plain()
+        groups = _first_with(groups, rewritten_best(cands, step, analysis.platform))
+        for group in groups:
+            figs, exes = compiles.results([cands[i] for i in group])
+            tried += [f"{cands[i].plan.strategy} {fmt_bytes(f.peak)}"
+                      for i, f in zip(group, figs, strict=True)]
+            k = lowest(figs)
+            c, fig, exe = cands[group[k]], figs[k], exes[k]
+            if base is None and bound is not None and fig.peak < plain_pred * (1 - bound):
+                return _kept(c.plan, fig, None, tried, (
+                    f"checked against the plain step's predicted peak "
+                    f"{fmt_bytes(plain_pred)}: more than {bound:.0%} below it (the cost "
+                    "model's error bound on this target), so the plain step was not "
+                    "compiled")), exe
+            if base is None:
+                base = compiles.plain()
+            if fig.peak < base[0].peak:
+                return _kept(c.plan, fig, base[0], tried, (
+                    f"checked against the plain step's compiled peak "
+                    f"{fmt_bytes(base[0].peak)}")), exe
         if base is None:
-            base = _plain(step)
-        if fig.peak < base[0].peak:
-            return _kept(c.plan, fig, base[0], tried, (
-                f"checked against the plain step's compiled peak "
-                f"{fmt_bytes(base[0].peak)}")), exe
-    if base is None:
-        base = _plain(step)
+            base = compiles.plain()
     return _plain_kept(plan, analysis, base, tried)
+
+
+class _Compiles:
+    """Candidates compiled in full in threads, started ahead of the figures being read:
+    each is lowered when started (in the calling thread: lowering holds the GIL) and
+    compiled in a pool (``JAXMEM_COMPILE_THREADS`` caps it, as in
+    :func:`.quick_compile.compile_all`), so the caller's Python runs beside the compile."""
+
+    def __init__(self, step: Step):
+        self.step = step
+        workers = int(os.environ.get("JAXMEM_COMPILE_THREADS", 0)) or (os.cpu_count() or 1)
+        self.pool = concurrent.futures.ThreadPoolExecutor(
+            max(1, workers), thread_name_prefix="jaxmem-compile")
+        self.futures: dict[int, concurrent.futures.Future] = {}
+        self.plain_future: concurrent.futures.Future | None = None
+
+    def __enter__(self) -> _Compiles:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:  # a compile no one will read is not waited for
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def start(self, cands: list[Candidate]) -> None:
+        """Lower each of ``cands`` not started yet and hand its compile to the pool."""
+        for c in cands:
+            if id(c) not in self.futures:
+                self.futures[id(c)] = self.pool.submit(measure.compile, c.lower())
+
+    def start_plain(self) -> None:
+        """Hand the plain step's compile (:func:`_plain`) to the pool, if not yet."""
+        if self.plain_future is None:
+            self.plain_future = self.pool.submit(_plain, self.step)
+
+    def plain(self) -> tuple[Figures, Any]:
+        """The plain step compiled in full (started now where it was not), and its
+        figures."""
+        self.start_plain()
+        assert self.plain_future is not None
+        return self.plain_future.result()
+
+    def results(self, cands: list[Candidate]) -> tuple[list[Figures], list[Any]]:
+        """``cands`` compiled in full (started now where they were not), their figures and
+        executables (the ones the first call runs)."""
+        self.start(cands)
+        exes = [self.futures[id(c)].result() for c in cands]
+        return [read(e, c.jitted, self.step.flat) for c, e in zip(cands, exes, strict=True)], exes
 
 
 def _tied(pred: list[int], top: int) -> list[list[int]]:
@@ -112,13 +176,6 @@ def _first_with(groups: list[list[int]], best: int | None) -> list[list[int]]:
     return [groups[0] + [best]] + [g for g in rest if g]
 
 
-def _compiled(cands: list[Candidate], step: Step) -> tuple[list[Figures], list[Any]]:
-    """``cands`` compiled in full, side by side (the executables the first call runs),
-    and their figures."""
-    _, exes = quick_compile.compile_all([c.lower for c in cands], measure.compile)
-    return [read(e, c.jitted, step.flat) for c, e in zip(cands, exes, strict=True)], exes
-
-
 def _plain(step: Step) -> tuple[Figures, Any]:
     """The plain step compiled in full, and its figures."""
     exe = measure.compile(step.plain.lower(*step.flat))
@@ -132,7 +189,7 @@ def _kept(plan: Plan, fig: Figures, base: Figures | None, tried: list[str], chec
     its winner."""
     if plan.strategy != "auto" and not plan.strategy.startswith("auto: "):
         plan = dataclasses.replace(plan, strategy=f"auto: {plan.strategy}")
-    note = (f"verify='predicted': compiled {len(tried)} candidate plan(s) for "
+    note = (f"verify: compiled {len(tried)} candidate plan(s) for "
             f"{fig.platform or 'cpu'}, best predicted first ({'; '.join(tried)}); kept the "
             f"first that passed, {check}")
     plan = dataclasses.replace(plan, notes=plan.notes + (note,))
@@ -145,9 +202,10 @@ def _plain_kept(plan: Plan, analysis: Analysis, base: tuple[Figures, Any],
                 tried: list[str]) -> tuple[Plan, Any]:
     """No candidate passed: the plain step runs, with a warning and a note."""
     none = dataclasses.replace(strategies.plan_none(analysis), donated=plan.donated)
-    note = (f"verify='predicted': no candidate plan compiled below the plain step's "
+    note = (f"verify: no candidate plan compiled below the plain step's "
             f"{fmt_bytes(base[0].peak)} ({'; '.join(tried)}): kept the plain step "
-            "(verify=True also compiles the built-in policies; or try a budget)")
+            "(verify='builtins' also compiles the built-in policies and more plans; or "
+            "try a budget)")
     warnings.warn(f"jaxmem.optimize: {note}", stacklevel=7)
     return (dataclasses.replace(none, notes=plan.notes + (note,), compiled=base[0],
                                 baseline=base[0]), base[1])
