@@ -61,7 +61,7 @@ import json, resource, sys, time
 import jax
 import jax.monitoring
 from benchmarks import zoo
-mode, model, size, _, target = sys.argv[1:6]
+mode, model, size, budget, target = sys.argv[1:6]
 xla = {"n": 0, "s": 0.0}
 def on_event(event, secs, **_):
     if event == "/jax/core/compile/backend_compile_duration":  # every XLA compile
@@ -97,7 +97,7 @@ if mode == "plain":
     step = jax.jit(w.step, donate_argnums=0)
 else:
     import jaxmem
-    kw = {"budget": float(sys.argv[4])} if mode == "budget" else {}
+    kw = {"budget": float(budget)} if mode == "budget" else {}
     verify = mode if mode in ("background", "predicted", "builtins") else True
     step = jaxmem.optimize(w.step, verify=verify, **kw)
 err = None

@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import os
 import warnings
 from typing import Any
 
 from jaxmem.analyzing.analysis import Analysis
 from jaxmem.analyzing.costmodel import CostModel
+from jaxmem.compiling import quick_compile
 from jaxmem.compiling.choose import TOP, Candidate, rewrite_candidates, rewritten_best
 from jaxmem.compiling.options import Options
 from jaxmem.compiling.steps import Step, read
@@ -106,14 +106,13 @@ def predicted(plan: Plan, analysis: Analysis, step: Step, options: Options
 class _Compiles:
     """Candidates compiled in full in threads, started ahead of the figures being read:
     each is lowered when started (in the calling thread: lowering holds the GIL) and
-    compiled in a pool (``JAXMEM_COMPILE_THREADS`` caps it, as in
-    :func:`.quick_compile.compile_all`), so the caller's Python runs beside the compile."""
+    compiled in a pool (:func:`.quick_compile.threads`), so the caller's Python runs
+    beside the compile."""
 
     def __init__(self, step: Step):
         self.step = step
-        workers = int(os.environ.get("JAXMEM_COMPILE_THREADS", 0)) or (os.cpu_count() or 1)
         self.pool = concurrent.futures.ThreadPoolExecutor(
-            max(1, workers), thread_name_prefix="jaxmem-compile")
+            max(1, quick_compile.threads()), thread_name_prefix="jaxmem-compile")
         self.futures: dict[int, concurrent.futures.Future] = {}
         self.plain_future: concurrent.futures.Future | None = None
 

@@ -66,6 +66,14 @@ def checked(quick: Any, full: Any) -> Any:
     return full
 
 
+def threads(n: int | None = None) -> int:
+    """The compile threads for ``n`` programs (None: as many as there are CPUs):
+    ``JAXMEM_COMPILE_THREADS`` where set (1: one after another), else the CPUs, at most
+    ``n``."""
+    cpus = os.cpu_count() or 1
+    return int(os.environ.get("JAXMEM_COMPILE_THREADS", 0)) or min(n or cpus, cpus)
+
+
 def compile_all(lowerings: Sequence[Callable[[], Any]],
                 compile_fn: Callable[[Any], Any] = compile) -> tuple[list[Any], list[Any]]:
     """Lower each thunk and compile it with ``compile_fn``, in threads; returns the lowered
@@ -74,8 +82,7 @@ def compile_all(lowerings: Sequence[Callable[[], Any]],
     Lowering holds the GIL and XLA's compile does not, so each program is handed to the pool
     as soon as it is lowered: the next one lowers while the last compiles.
     ``JAXMEM_COMPILE_THREADS`` caps the threads (1: one after another)."""
-    workers = int(os.environ.get("JAXMEM_COMPILE_THREADS", 0)) or min(len(lowerings),
-                                                                      os.cpu_count() or 1)
+    workers = threads(len(lowerings))
     if workers <= 1 or len(lowerings) <= 1:
         lowered = [f() for f in lowerings]
         return lowered, [compile_fn(x) for x in lowered]

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jaxmem.analyzing.costmodel import PROFILES
+from jaxmem.analyzing.costmodel import DeviceProfile
 from jaxmem.memory import state_offload
 from jaxmem.tracing import arguments
 from jaxmem.tracing.program import check_leaves
@@ -184,6 +184,7 @@ def profile_of(flat: Sequence[Any]) -> str:
     where the target has no preset: a TPU's, for now; the printout names the profile)."""
     try:
         profile = targets.of(flat).profile
+        DeviceProfile.get(profile)  # a preset the cost model knows (raises otherwise)
     except Exception:  # noqa: BLE001 - a label for a note: never fail the step over it
         return "cpu"
-    return profile if str(profile).lower() in PROFILES else "cpu"
+    return profile
