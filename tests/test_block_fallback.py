@@ -81,3 +81,68 @@ def test_the_lowest_depth_is_also_tried_with_its_light_layers_unjoined():
     found = best_block_plan(analysis, 150, compile_plan)
     assert any("light unjoined" in s for s in compiled), compiled
     assert found.plan is not None and "light unjoined" in found.plan.strategy
+
+
+def test_a_ranked_block_search_compiles_the_cheapest_predicted_fit_first_and_learns_the_miss():
+    """ranked_block_plan (a budget's search="ranked", the default): block plans ranked by
+    the cost model; a miss raises the model's under-prediction ratio, the next pick is made
+    with it, and the search stops at the first plan that fits, after fewer compiles than
+    best_block_plan's every depth and variant."""
+    from jaxmem.planning.budget.fallbacks import (
+        best_block_plan,
+        block_variants,
+        predicted_peak,
+        ranked_block_plan,
+    )
+    from jaxmem.xla.measure import Figures
+
+    import jax.numpy as jnp
+
+    def loss(ws, x):  # 3 stages of 2 blocks of 2 layers: blocks at three depths
+        for i, (w1, w2) in enumerate(ws):
+            with jax.named_scope(f"stage{i // 2}"), jax.named_scope(f"block{i % 2}"):
+                with jax.named_scope("fc1"):
+                    u = jnp.tanh(x @ w1)
+                with jax.named_scope("fc2"):
+                    x = x + jnp.sin(u @ w2)
+        return jnp.sum(x ** 2)
+
+    def step(ws, x):
+        return jax.grad(loss)(ws, x)
+
+    ks = jax.random.split(jax.random.PRNGKey(0), 12)
+    ws = [(jax.random.normal(ks[2 * i], (16, 16)) * 0.3,
+           jax.random.normal(ks[2 * i + 1], (16, 16)) * 0.3) for i in range(6)]
+    analysis = from_program(jaxmem.trace(step, ws, jnp.ones((64, 16))))
+    model = CostModel(analysis)
+    variants = block_variants(analysis)
+    preds = {p.strategy: predicted_peak(model, p) for _, p in variants}
+    assert len({v for v in preds.values()}) >= 2, preds
+
+    def compiler(log):
+        def compile_plan(p):  # the compiler places every plan 40% above the model's peak
+            log.append(p.strategy)
+            peak = int(1.4 * predicted_peak(model, p))
+            return Figures(argument=peak, output=0, temp=0, alias=0, flops=p.recompute_flops)
+        return compile_plan
+
+    # a budget the highest-predicted variant meets in the model but not compiled
+    budget = int(1.2 * max(preds.values()))
+    ranked, every = [], []
+    found = ranked_block_plan(model, analysis, budget, compiler(ranked))
+    best = best_block_plan(analysis, budget, compiler(every))
+    assert found.plan is not None and found.figures.peak <= budget
+    assert found.compiles == len(ranked) < len(every), (ranked, every)
+    # the first pick is the fewest-FLOPs plan the model says fits; the next is picked with
+    # the miss learnt (1.4x), so it fits
+    fit_first = min((p for _, p in variants if preds[p.strategy] <= budget),
+                    key=lambda p: (p.recompute_flops, preds[p.strategy]))
+    assert ranked[0] == fit_first.strategy
+    blk_runs = [s for s in ranked if not s.startswith("budget")]  # re-save rounds aside
+    assert 1 <= len(blk_runs) <= 2
+    assert preds[blk_runs[-1]] * 1.4 <= budget
+    # a ratio known up front (the search's earlier misses): the first compile fits
+    again: list[str] = []
+    found2 = ranked_block_plan(model, analysis, budget, compiler(again), ratio=1.4)
+    assert found2.figures.peak <= budget and again[0] == blk_runs[-1]
+    assert best.plan is not None

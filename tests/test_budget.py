@@ -254,7 +254,7 @@ def test_loop_candidates_are_monotone_and_error_reports_lowest():
     budget = int(a.argument_bytes + 0.2 * (a.peak_bytes - a.argument_bytes))
     with pytest.raises(BudgetError) as e:
         plan_with_budget(a, budget, auto=plan_auto(a), compile_plan=fake_compile,
-                         solver="greedy", max_compiles=6)
+                         solver="greedy", max_compiles=6, search="exhaustive")
     blocks = [d for d, depth in zip(seen, depths, strict=True) if depth is not None]
     assert blocks, "block plans are tried when nothing else fits"
     tried = [d for d, depth in zip(seen, depths, strict=True) if depth is None][1:]
@@ -594,3 +594,39 @@ def test_a_rewrite_over_the_growth_limit_is_declined():
     plan_step._check_size(jaxpr, 2)  # 2x: under the limit
     with pytest.raises(TooLargeToCompile, match="4 equations, 4.0x the step's 1"):
         plan_step._check_size(jaxpr, 1)
+
+
+def test_a_ranked_search_does_not_compile_medls_plan_predicted_far_above_the_budget():
+    """search="ranked" (the default): MEDL's plan, predicted above the budget by more than
+    the cost model's over-prediction on the platform (PLAN_OVER), is not compiled (a note
+    says so); search="exhaustive" compiles it first. Both end within the budget."""
+    from jaxmem.measure import Figures
+    from jaxmem.planning.budget.fallbacks import PLAN_OVER
+    from jaxmem.planning.strategies import plan_auto
+
+    step, args = _mlp(depth=6, batch=256)
+    a = from_program(jaxmem.trace(step, *args))
+    m = CostModel(a, "cpu")
+    auto = plan_auto(a)
+    budget = int(0.65 * m.evaluate(auto.recompute).peak)
+    assert m.evaluate(auto.recompute).peak * (1 - PLAN_OVER["cpu"]) > budget
+
+    def run(search):
+        seen = []
+
+        def fake_compile(plan):  # the plain step as the model has it, plans 20% below
+            seen.append(plan.recompute)
+            peak = int((0.8 if plan.recompute else 1.0)
+                       * m.evaluate(plan.recompute, plan.offload).peak)
+            return Figures(argument=peak, output=0, temp=0, alias=0, flops=1.0)
+
+        plan = plan_with_budget(a, budget, auto=auto, compile_plan=fake_compile,
+                                solver="greedy", max_compiles=6, search=search)
+        return plan, seen
+
+    ranked, seen_r = run("ranked")
+    exhaustive, seen_e = run("exhaustive")
+    assert any("MEDL's plan not compiled" in n for n in ranked.notes), ranked.notes
+    assert auto.recompute not in seen_r and seen_e[1] == auto.recompute
+    assert len(seen_r) <= len(seen_e)
+    assert ranked.compiled.peak <= budget and exhaustive.compiled.peak <= budget

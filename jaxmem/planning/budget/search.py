@@ -30,7 +30,14 @@ from jaxmem.analyzing.analysis import Analysis
 from jaxmem.analyzing.costmodel import CostModel, DeviceProfile
 from jaxmem.analyzing.tags import offload_tagged
 from jaxmem.planning.budget import outcome
-from jaxmem.planning.budget.fallbacks import DevicePeak, Found, best_block_plan, block_offload_plan
+from jaxmem.planning.budget.fallbacks import (
+    PLAN_OVER,
+    DevicePeak,
+    Found,
+    best_block_plan,
+    block_offload_plan,
+    ranked_block_plan,
+)
 from jaxmem.planning.budget.solvers import greedy
 from jaxmem.planning.budget.solving import Solved, Solving, solve
 from jaxmem.planning.budget.tries import Candidate, Tries
@@ -56,10 +63,11 @@ class _Search:
                  compile_plan: Callable[[Plan], Figures] | None,
                  compile_plain: Callable[[], Figures] | None, device_peak: DevicePeak | None,
                  offload: bool | str, solver: str, profile: DeviceProfile | str | None,
-                 max_compiles: int, time_limit: float | None, node_limit: int = 5000
-                 ) -> None:
+                 max_compiles: int, time_limit: float | None, node_limit: int = 5000,
+                 search: str = "ranked") -> None:
         t_start = time.perf_counter()
         self.analysis, self.auto, self.compile_plan = analysis, auto, compile_plan
+        self.ranked = search == "ranked"
         notes: list[str] = []
         if compile_plan is not None:
             base_fig = (compile_plain() if compile_plain is not None
@@ -107,8 +115,7 @@ class _Search:
         # it drops everything it can, so a block plan that fits is often cheaper in FLOPs).
         if ((best is None or best.source in ("segments", "greedy (lowest)")) and compiled
                 and self.blocks is None):
-            self.blocks = self.tries.add(best_block_plan(self.analysis, self.requested,
-                                                         self.compile_plan))
+            self.blocks = self.tries.add(self._block_plan())
         blk = self.blocks
         if blk is not None and blk.plan is not None:
             best_flops = best.figures.flops if best is not None and best.figures else None
@@ -142,11 +149,28 @@ class _Search:
         if self.compile_plan is None or self.forced or not drop:
             self.floor = drop & self.model.candidates
             return None, self.requested
+        pred = self.model.evaluate(drop, ()).peak
+        over = PLAN_OVER.get(self.analysis.platform)
+        if self.ranked and over is not None and pred * (1 - over) > self.requested:
+            # ranked: predicted above the budget by more than the model's error; not compiled
+            self.basis.notes.append(
+                f"MEDL's plan not compiled: predicted {fmt_bytes(pred)}, above the budget by "
+                f"more than the cost model's error on {self.analysis.platform} ({over:.0%})")
+            self.floor = drop & self.model.candidates
+            return None, self.requested
         cand = self.tries.check_auto(auto)
         if cand.peak <= self.requested:
             return cand, None
         self.floor = drop & self.model.candidates
         return None, self.tries.next_aim(self.requested)
+
+    def _block_plan(self) -> Found:
+        """The block-plan fallback: ranked (:func:`ranked_block_plan`, starting from the
+        model's largest miss so far) or every block plan compiled (:func:`best_block_plan`)."""
+        if self.ranked:
+            return ranked_block_plan(self.model, self.analysis, self.requested,
+                                     self.compile_plan, ratio=self.tries.ratio())
+        return best_block_plan(self.analysis, self.requested, self.compile_plan)
 
     def _stages(self) -> Iterator[str]:
         """What to try, in order, when the model cannot reach its aim."""
@@ -168,8 +192,7 @@ class _Search:
                 if stage is None or (stage != "lowest" and best is not None):
                     break   # a plan already fits; the model cannot find a cheaper one
                 if stage == "blocks":
-                    self.blocks = self.tries.add(best_block_plan(
-                        self.analysis, self.requested, self.compile_plan))
+                    self.blocks = self.tries.add(self._block_plan())
                     if self.blocks.plan is not None:
                         break
                     continue
@@ -213,8 +236,8 @@ def plan_with_budget(analysis: Analysis, budget: Any, *, auto: Plan | None = Non
                      device_peak: DevicePeak | None = None,
                      offload: bool | str = False, solver: str | None = None,
                      profile: DeviceProfile | str | None = None,
-                     max_compiles: int | None = None, time_limit: float | None = None
-                     ) -> Plan:
+                     max_compiles: int | None = None, time_limit: float | None = None,
+                     search: str | None = None) -> Plan:
     """Plan ``analysis`` under ``budget``; compile in the loop when ``compile_plan`` is given.
 
     Args:
@@ -233,7 +256,8 @@ def plan_with_budget(analysis: Analysis, budget: Any, *, auto: Plan | None = Non
         plans (XLA:CPU strips host placement).
       offload: ``False`` (never offload, except values tagged with ``offload_name``),
         ``True`` or ``"auto"`` (the planner weighs offload against recompute).
-      solver, profile, max_compiles, time_limit: override the :class:`Budget` settings.
+      solver, profile, max_compiles, time_limit, search: override the :class:`Budget`
+        settings.
 
     Raises:
       BudgetError: if no plan fits; ``.minimum_bytes`` is the lowest peak found.
@@ -244,4 +268,4 @@ def plan_with_budget(analysis: Analysis, budget: Any, *, auto: Plan | None = Non
         device_peak=device_peak, offload=offload, solver=solver or spec.solver,
         profile=profile, max_compiles=max_compiles or spec.max_compiles,
         time_limit=spec.time_limit if time_limit is None else time_limit,
-        node_limit=spec.node_limit).run()
+        node_limit=spec.node_limit, search=search or spec.search).run()

@@ -82,10 +82,16 @@ class Tries:
         self.tried: dict[tuple[frozenset[int], frozenset[int]], Candidate] = {}
         self.points: list[tuple[int, int]] = []     # (model aim, compiled peak)
         self.skipped: list[str] = []                # plans not compiled, and why
+        self.misses: list[float] = []               # compiled / predicted peak, each compile
 
     def next_aim(self, requested: int) -> int:
         """:func:`next_aim` from the points so far."""
         return next_aim(self.points, requested)
+
+    def ratio(self) -> float:
+        """The model's largest under-prediction so far (compiled over predicted peak of
+        the plans compiled; 1.0 when none was under-predicted)."""
+        return max([1.0, *self.misses])
 
     def check_auto(self, auto: Plan) -> Candidate:
         """Compile MEDL's plan as it is; its point is (predicted peak, compiled peak)."""
@@ -97,6 +103,8 @@ class Tries:
         cand = Candidate(drop, frozenset(), "auto (MEDL)", ev.time, fig.peak, fig)
         self.tried[(drop, frozenset())] = cand
         self.points.append((ev.peak, fig.peak))
+        if ev.peak > 0:
+            self.misses.append(fig.peak / ev.peak)
         return cand
 
     def check(self, d: frozenset[int], o: frozenset[int], source: str, aim: int
@@ -122,6 +130,8 @@ class Tries:
             self.compiles += 1
             peak, note = self.device_peak(plan, fig)
             notes = (note,) if note else ()
+            if ev.peak > 0:
+                self.misses.append(fig.peak / ev.peak)
         else:
             fig, peak, notes = None, ev.peak, ()
         cand = Candidate(d, o, source, ev.time, peak, fig, notes)

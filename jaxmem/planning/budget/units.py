@@ -56,6 +56,14 @@ class Budget:
         to greedy (a bound on work, so every process plans the same).
       time_limit: seconds for the exact solver (default none). A wall-clock bound makes the
         plan depend on the machine's speed: processes of one job may then plan differently.
+      search: ``"ranked"`` (the default since issue 37): plans the cost model predicts above
+        the budget by more than its error (:data:`~jaxmem.planning.budget.fallbacks.PLAN_OVER`)
+        are not compiled, and block plans are compiled best-ranked first, stopping at the
+        first that fits (:func:`~jaxmem.planning.budget.fallbacks.ranked_block_plan`);
+        ``"exhaustive"``: MEDL's plan always compiled, and every block plan at every depth
+        (:func:`~jaxmem.planning.budget.fallbacks.best_block_plan`), the cheapest that fits
+        kept: more compiles, sometimes fewer recompute FLOPs. Either way what runs was
+        compiled and fits.
     """
 
     value: Any
@@ -64,10 +72,13 @@ class Budget:
     max_compiles: int = 6
     time_limit: float | None = None
     node_limit: int = 5000
+    search: str = "ranked"
 
     def __post_init__(self) -> None:
         if self.solver not in ("auto", "greedy", "exact"):
             raise ValueError(f"solver must be 'auto', 'greedy' or 'exact', got {self.solver!r}")
+        if self.search not in ("ranked", "exhaustive"):
+            raise ValueError(f"search must be 'ranked' or 'exhaustive', got {self.search!r}")
         if self.max_compiles < 1:
             raise ValueError(f"max_compiles must be >= 1, got {self.max_compiles}")
         parse_budget(self.value)  # fail early on bad input
