@@ -19,7 +19,9 @@ step and the two built-in policies compiled, the lowest kept); ``predicted``: th
 default's earlier name, for results recorded before the change.
 
 ``budget``: an empty plan cache directory and ``budget=--budget`` (default 0.5: the budget
-search's compiles; a budget no plan meets raises ``BudgetError``, recorded as ``error``).
+search's compiles; a budget no plan meets raises ``BudgetError``, recorded as ``error``);
+``budget_exhaustive``: the same with ``Budget(--budget, search="exhaustive")``, the budget
+search before issue 37 ranked it (MEDL's plan and every block plan compiled).
 Each process also records its peak host memory (``ru_maxrss``, the high-water mark of
 that process alone, and the same before the step was decorated: the model built), the
 number of XLA compiles (``jax.monitoring``'s ``/jax/core/compile/backend_compile_duration``
@@ -98,6 +100,8 @@ if mode == "plain":
 else:
     import jaxmem
     kw = {"budget": float(budget)} if mode == "budget" else {}
+    if mode == "budget_exhaustive":  # the budget search before issue 37's ranking
+        kw = {"budget": jaxmem.Budget(float(budget), search="exhaustive")}
     verify = mode if mode in ("background", "predicted", "builtins") else True
     step = jaxmem.optimize(w.step, verify=verify, **kw)
 err = None
@@ -120,7 +124,8 @@ if err:
 elif mode != "plain":  # until the verified plan is in place (background: step.plan waits)
     plan = step.plan(state, batch)
     rec.update(verified_seconds=time.perf_counter() - t0, strategy=plan.strategy,
-               peak=plan.compiled.peak if plan.compiled else None)
+               peak=plan.compiled.peak if plan.compiled else None,
+               flops=plan.compiled.flops if plan.compiled else None)
 # ru_maxrss: the process's high-water mark, KiB on Linux (the model built: rss_before)
 if peak is not None:
     rec.update(peak=peak)
@@ -164,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict:
                 if m in runs:
                     runs[m].append(_run("jaxmem" if m != "plain" else m, args.model,
                                         args.size, d, target=args.target))
-        for m in ("budget", "background", "predicted", "builtins"):
+        for m in ("budget", "budget_exhaustive", "background", "predicted", "builtins"):
             if m in runs:
                 with tempfile.TemporaryDirectory() as d:
                     runs[m].append(_run(m, args.model, args.size, d, args.budget,
@@ -192,10 +197,13 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
-MODES = ("plain", "cold", "warm", "budget", "background", "predicted", "builtins")
+MODES = ("plain", "cold", "warm", "budget", "budget_exhaustive", "background", "predicted",
+         "builtins")
 _NAMES = {"plain": "`jax.jit`", "cold": "`jaxmem.optimize`, cold plan cache",
           "warm": "`jaxmem.optimize`, warm plan cache",
           "budget": "`jaxmem.optimize(budget=0.5)`, cold plan cache",
+          "budget_exhaustive": "`jaxmem.optimize(budget=Budget(0.5, search=\"exhaustive\"))`, "
+                               "cold plan cache",
           "background": "`jaxmem.optimize(verify=\"background\")`, cold plan cache",
           "predicted": "`jaxmem.optimize(verify=\"predicted\")`, cold plan cache",
           "builtins": "`jaxmem.optimize(verify=\"builtins\")`, cold plan cache"}
@@ -238,9 +246,10 @@ def _meta(argv: list[str] | None) -> dict:
 
 
 def _peak(runs: list[dict]) -> str:
-    """The compiled peak the mode ends at (the first run's: it is deterministic), MiB."""
-    peak = runs[0].get("peak")
-    return f"{peak / 2**20:.2f}" if peak else ""
+    """The compiled peak the mode ends at (the first run's: it is deterministic), MiB, and
+    its FLOPs (GFLOP) where recorded."""
+    peak, flops = runs[0].get("peak"), runs[0].get("flops")
+    return (f"{peak / 2**20:.2f}" if peak else "") + (f" / {flops / 1e9:.2f}" if flops else "")
 
 
 def _markdown(result: dict) -> str:
@@ -261,7 +270,7 @@ def _markdown(result: dict) -> str:
             f"{med['jaxmem_compiles'][m]:.0f} | {_peak(result['runs'][m])} |\n")
     return ("| first call | seconds | / plain jit | CPU seconds | verified plan in place, s | "
             "peak RSS MiB | RSS growth in the call MiB | XLA compiles | XLA compile s | "
-            "jaxmem compiles | compiled peak MiB |\n"
+            "jaxmem compiles | compiled peak MiB / GFLOP |\n"
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
             + "".join(rows) + "".join(f"\n{_NAMES[m]}: {e}\n" for m, e in errors.items()))
 

@@ -88,6 +88,8 @@ def test_a_ranked_block_search_compiles_the_cheapest_predicted_fit_first_and_lea
     the cost model; a miss raises the model's under-prediction ratio, the next pick is made
     with it, and the search stops at the first plan that fits, after fewer compiles than
     best_block_plan's every depth and variant."""
+    import jax.numpy as jnp
+
     from jaxmem.planning.budget.fallbacks import (
         best_block_plan,
         block_variants,
@@ -95,8 +97,6 @@ def test_a_ranked_block_search_compiles_the_cheapest_predicted_fit_first_and_lea
         ranked_block_plan,
     )
     from jaxmem.xla.measure import Figures
-
-    import jax.numpy as jnp
 
     def loss(ws, x):  # 3 stages of 2 blocks of 2 layers: blocks at three depths
         for i, (w1, w2) in enumerate(ws):

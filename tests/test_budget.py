@@ -601,6 +601,7 @@ def test_a_ranked_search_does_not_compile_medls_plan_predicted_far_above_the_bud
     the cost model's over-prediction on the platform (PLAN_OVER), is not compiled (a note
     says so); search="exhaustive" compiles it first. Both end within the budget."""
     from jaxmem.measure import Figures
+
     from jaxmem.planning.budget.fallbacks import PLAN_OVER
     from jaxmem.planning.strategies import plan_auto
 

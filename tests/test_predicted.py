@@ -39,10 +39,11 @@ class _Model:
 
 def _run(monkeypatch, compiled: dict[str, int], plain_predicted: int = 100,
          plain: int = 100, predictions=(40, 10, 30, 20), rewritten=None,
-         min_bytes: int = 0):
+         min_bytes: int = 0, within: float = 10.0):
     """``predicted.predicted`` over four candidates (predicted 40, 10, 30, 20) with
     synthetic compiled peaks: what was compiled, in order (a group compiled together
-    joined by "+"), and what runs."""
+    joined by "+"), and what runs. ``within``: ``REWRITTEN_WITHIN`` (default: every
+    candidate's rewritten step analysed)."""
     order: list[str] = []
     events: list[str] = []  # compiles started and rewritten steps analysed, in order
     cands = [Candidate(SimpleNamespace(strategy=n, recompute=p, offload=(), notes=(),
@@ -50,6 +51,7 @@ def _run(monkeypatch, compiled: dict[str, int], plain_predicted: int = 100,
              for n, p in zip("abcd", predictions, strict=True)]
     monkeypatch.setattr(predicted, "CostModel", _Model)
     monkeypatch.setattr(predicted, "PLAIN_MIN_BYTES", min_bytes)
+    monkeypatch.setattr(predicted, "REWRITTEN_WITHIN", within)
     monkeypatch.setattr(predicted, "rewrite_candidates", lambda *a: list(cands))
 
     def rewritten_peak(c, step, platform):
@@ -151,6 +153,19 @@ def test_the_rewritten_steps_best_is_compiled_with_the_first_group(monkeypatch):
     assert order == ["b+c", "plain", "d"]
     assert predicted._first_with([[1], [3], [2]], 2) == [[1, 2], [3]]
     assert predicted._first_with([[1], [3]], None) == [[1], [3]]
+
+
+def test_only_plans_predicted_near_the_lowest_have_their_rewritten_step_analysed(
+        monkeypatch):
+    """``REWRITTEN_WITHIN``: a candidate the model predicts more than that above its
+    lowest is not traced and analysed as a rewritten step (seconds each at a real width),
+    so it cannot join the first group that way."""
+    order, ((name, _, _), _) = _run(monkeypatch, dict(a=60, b=80, c=70, d=75),
+                                    predictions=(100, 40, 43, 60),
+                                    rewritten=dict(a=55, b=70, c=65, d=66), within=0.10)
+    analysed = [e.split()[1] for e in _run.events if e.startswith("analysed")]
+    assert analysed == ["b", "c"], _run.events
+    assert order == ["b+c"] and name == "c"   # c: within 10% of b, the rewritten lowest
 
 
 def test_the_first_group_compiles_while_the_rewritten_steps_are_analysed(monkeypatch):
