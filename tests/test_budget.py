@@ -631,3 +631,37 @@ def test_a_ranked_search_does_not_compile_medls_plan_predicted_far_above_the_bud
     assert auto.recompute not in seen_r and seen_e[1] == auto.recompute
     assert len(seen_r) <= len(seen_e)
     assert ranked.compiled.peak <= budget and exhaustive.compiled.peak <= budget
+
+
+def test_a_ranked_search_that_cannot_fit_skips_what_the_model_puts_above_the_budget():
+    """A budget below everything the model reaches: ranked, the fallbacks the model puts
+    above it (greedy's lowest plan, Chen's segments) are not compiled, and the BudgetError
+    says so; the exhaustive search compiles them."""
+    from jaxmem.measure import Figures
+
+    from jaxmem.planning.strategies import plan_auto
+
+    step, args = _mlp(depth=6, batch=256)
+    a = from_program(jaxmem.trace(step, *args))
+    m = CostModel(a, "cpu")
+
+    def run(search):
+        seen = []
+
+        def fake_compile(plan):  # the plain step as the model has it, plans 10% below
+            seen.append(plan.recompute)
+            peak = int((0.9 if plan.recompute else 1.0)
+                       * m.evaluate(plan.recompute, plan.offload).peak)
+            return Figures(argument=peak, output=0, temp=0, alias=0, flops=1.0)
+
+        with pytest.raises(BudgetError) as e:
+            plan_with_budget(a, a.argument_bytes + 1, auto=plan_auto(a),
+                             compile_plan=fake_compile, solver="greedy", max_compiles=6,
+                             search=search)
+        return str(e.value), len(seen)
+
+    ranked, n_ranked = run("ranked")
+    exhaustive, n_exhaustive = run("exhaustive")
+    assert "greedy (lowest) plan not compiled: predicted" in ranked
+    assert "not compiled: predicted" not in exhaustive
+    assert n_ranked < n_exhaustive

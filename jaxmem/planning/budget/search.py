@@ -149,13 +149,7 @@ class _Search:
         if self.compile_plan is None or self.forced or not drop:
             self.floor = drop & self.model.candidates
             return None, self.requested
-        pred = self.model.evaluate(drop, ()).peak
-        over = PLAN_OVER.get(self.analysis.platform)
-        if self.ranked and over is not None and pred * (1 - over) > self.requested:
-            # ranked: predicted above the budget by more than the model's error; not compiled
-            self.basis.notes.append(
-                f"MEDL's plan not compiled: predicted {fmt_bytes(pred)}, above the budget by "
-                f"more than the cost model's error on {self.analysis.platform} ({over:.0%})")
+        if self._ruled_out(drop, frozenset(), "MEDL's plan"):
             self.floor = drop & self.model.candidates
             return None, self.requested
         cand = self.tries.check_auto(auto)
@@ -163,6 +157,21 @@ class _Search:
             return cand, None
         self.floor = drop & self.model.candidates
         return None, self.tries.next_aim(self.requested)
+
+    def _ruled_out(self, drop: frozenset[int], off: frozenset[int], what: str) -> bool:
+        """Ranked: whether the model predicts ``(drop, off)`` above the budget by more than
+        its largest over-prediction of a plan on the platform (:data:`PLAN_OVER`), so it
+        is not compiled (a note says so)."""
+        over = PLAN_OVER.get(self.analysis.platform)
+        if not self.ranked or over is None or self.compile_plan is None:
+            return False
+        pred = self.model.evaluate(drop, off).peak
+        if pred * (1 - over) <= self.requested:
+            return False
+        self.basis.notes.append(
+            f"{what} not compiled: predicted {fmt_bytes(pred)}, above the budget by more "
+            f"than the cost model's error on {self.analysis.platform} ({over:.0%})")
+        return True
 
     def _block_plan(self) -> Found:
         """The block-plan fallback: ranked (:func:`ranked_block_plan`, starting from the
@@ -197,6 +206,8 @@ class _Search:
                         break
                     continue
                 d, o, source = self._fallback_sets(stage)
+                if self._ruled_out((d | self.floor) - o, o, f"{source} plan"):
+                    continue
             cand = self.tries.check((d | self.floor) - o, o, source, aim)
             if cand is None:
                 break       # out of compiles
