@@ -146,3 +146,9 @@ def test_a_ranked_block_search_compiles_the_cheapest_predicted_fit_first_and_lea
     found2 = ranked_block_plan(model, analysis, budget, compiler(again), ratio=1.4)
     assert found2.figures.peak <= budget and again[0] == blk_runs[-1]
     assert best.plan is not None
+    # a budget none meets (each plan compiles at 1.4x its prediction): the ranked search
+    # stops once its miss puts every plan left above the budget
+    low = int(1.2 * min(preds.values()))
+    tried: list[str] = []
+    none = ranked_block_plan(model, analysis, low, compiler(tried))
+    assert none.plan is None and none.compiles == len(tried) == 1, tried

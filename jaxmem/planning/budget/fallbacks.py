@@ -184,26 +184,34 @@ def ranked_block_plan(model: CostModel, analysis: Analysis, requested: int,
     answer (its headroom, divided by ``ratio``, spent on one round of re-saving, compiled
     once: :func:`resaved`). When none is
     predicted to fit, the lowest-predicted one not ruled out by :data:`PLAN_OVER` is
-    compiled. At most ``max_compiles`` block plans; on an accelerator, when none fits,
-    those compiled are compiled again unfenced, as :func:`best_block_plan` does."""
+    compiled, and the search stops once the lowest left is predicted above the budget by
+    more than :data:`PLAN_OVER` or by the smallest miss of the block plans compiled. At
+    most ``max_compiles`` block plans; on an accelerator, when none fits, the lowest
+    compiled is compiled again unfenced (and with its first-replayed block kept), as
+    :func:`best_block_plan` does with each."""
     over = PLAN_OVER.get(analysis.platform, 1.0)
     c = _Checked(requested, compile_plan)
     left = [(depth, p, predicted_peak(model, p)) for depth, p in block_variants(analysis)]
+    misses: list[float] = []    # compiled over predicted peak of the block plans compiled
     while left and c.compiles < max_compiles and not c.fitting:
         fit = [t for t in left if t[2] * ratio <= requested]
         if fit:
             pick = min(fit, key=lambda t: (t[1].recompute_flops, t[2]))
         else:
             pick = min(left, key=lambda t: (t[2], t[1].recompute_flops))
-            if c.tried and pick[2] * (1 - over) > requested:
-                break   # predicted above the budget by more than the model's error
+            if c.tried and (pick[2] * (1 - over) > requested
+                            or pick[2] * min(misses, default=0.0) > requested):
+                # predicted above the budget by more than the model's error, or by the
+                # smallest miss of this step's block plans: none left would fit
+                break
         left.remove(pick)
         depth, p, pred = pick
         _, _, _, fig = c.check(depth, p)
         if fig.peak > requested and pred > 0:
+            misses.append(fig.peak / pred)
             ratio = max(ratio, fig.peak / pred)
     if not c.fitting and c.tried and analysis.platform != "cpu":
-        _unfenced(analysis, c)
+        _unfenced(analysis, c, lowest_only=True)
     n = c.compiles
     if not c.fitting:
         return Found(None, None, n, c.lowest)
@@ -213,17 +221,21 @@ def ranked_block_plan(model: CostModel, analysis: Analysis, requested: int,
     return Found(blk2, fig2, n + k, c.lowest)
 
 
-def _unfenced(analysis: Analysis, c: _Checked) -> None:
+def _unfenced(analysis: Analysis, c: _Checked, lowest_only: bool = False) -> None:
     """The block plans ``c`` tried, compiled again with their finished gradients left where
     the scheduler puts them (``Plan.unfenced``); when none fits, the lowest of those with
     its first-replayed block kept. The fence (:func:`jaxmem.rewriting.settle.fence_finished`)
     lowers most block plans on XLA:GPU, but a large gradient it makes early is live to the
     update: penzai's llama-like bench step's depth-1 plan compiled to 2,048.8 MB fenced and
     1,904.2 MB unfenced (its 98 MB LM-head gradient), and with its first-replayed block
-    kept to 1,899.9 MB, below its package switch's 1,902.9 MB."""
+    kept to 1,899.9 MB, below its package switch's 1,902.9 MB. ``lowest_only`` (a ranked
+    search): only the lowest compiled of them."""
+    tried = list(c.tried)
+    if lowest_only:  # a ranked search: the lowest compiled block plan only
+        tried = [min(tried, key=lambda t: (t[3].peak, t[0]))]
     again = [c.check(depth, dataclasses.replace(
                  blk, unfenced=True, strategy=blk.strategy.rstrip(")") + ", unfenced)"))
-             for _, depth, blk, _ in list(c.tried)]
+             for _, depth, blk, _ in tried]
     if not c.fitting:
         _, depth, low, _ = min(again, key=lambda t: t[3].peak)
         kept = first_block_kept(analysis, low)

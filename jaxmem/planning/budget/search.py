@@ -160,17 +160,24 @@ class _Search:
 
     def _ruled_out(self, drop: frozenset[int], off: frozenset[int], what: str) -> bool:
         """Ranked: whether the model predicts ``(drop, off)`` above the budget by more than
-        its largest over-prediction of a plan on the platform (:data:`PLAN_OVER`), so it
-        is not compiled (a note says so)."""
+        its largest over-prediction of a plan on the platform (:data:`PLAN_OVER`), or above
+        it once scaled by the smallest miss (compiled over predicted peak) of the plans
+        this search compiled, so it is not compiled (a note says so)."""
         over = PLAN_OVER.get(self.analysis.platform)
         if not self.ranked or over is None or self.compile_plan is None:
             return False
         pred = self.model.evaluate(drop, off).peak
-        if pred * (1 - over) <= self.requested:
+        miss = min(self.tries.misses, default=0.0)
+        if pred * (1 - over) > self.requested:
+            why = f"the cost model's error on {self.analysis.platform} ({over:.0%})"
+        elif pred * miss > self.requested:
+            why = (f"the model's smallest miss on this step's compiled plans ({miss:.2f}x "
+                   "its prediction)")
+        else:
             return False
         self.basis.notes.append(
             f"{what} not compiled: predicted {fmt_bytes(pred)}, above the budget by more "
-            f"than the cost model's error on {self.analysis.platform} ({over:.0%})")
+            f"than {why}")
         return True
 
     def _block_plan(self) -> Found:
