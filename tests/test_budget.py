@@ -596,12 +596,23 @@ def test_a_rewrite_over_the_growth_limit_is_declined():
         plan_step._check_size(jaxpr, 1)
 
 
+def _scaled(model, scale, seen):
+    """A compile_plan that reports the plain step as ``model`` predicts it and every plan
+    at ``scale`` times its prediction, recording each plan's drop set in ``seen``."""
+    from jaxmem.measure import Figures
+
+    def fake_compile(plan):
+        seen.append(plan.recompute)
+        peak = int((scale if plan.recompute else 1.0)
+                   * model.evaluate(plan.recompute, plan.offload).peak)
+        return Figures(argument=peak, output=0, temp=0, alias=0, flops=1.0)
+    return fake_compile
+
+
 def test_a_ranked_search_does_not_compile_medls_plan_predicted_far_above_the_budget():
     """search="ranked" (the default): MEDL's plan, predicted above the budget by more than
     the cost model's over-prediction on the platform (PLAN_OVER), is not compiled (a note
     says so); search="exhaustive" compiles it first. Both end within the budget."""
-    from jaxmem.measure import Figures
-
     from jaxmem.planning.budget.fallbacks import PLAN_OVER
     from jaxmem.planning.strategies import plan_auto
 
@@ -614,14 +625,7 @@ def test_a_ranked_search_does_not_compile_medls_plan_predicted_far_above_the_bud
 
     def run(search):
         seen = []
-
-        def fake_compile(plan):  # the plain step as the model has it, plans 20% below
-            seen.append(plan.recompute)
-            peak = int((0.8 if plan.recompute else 1.0)
-                       * m.evaluate(plan.recompute, plan.offload).peak)
-            return Figures(argument=peak, output=0, temp=0, alias=0, flops=1.0)
-
-        plan = plan_with_budget(a, budget, auto=auto, compile_plan=fake_compile,
+        plan = plan_with_budget(a, budget, auto=auto, compile_plan=_scaled(m, 0.8, seen),
                                 solver="greedy", max_compiles=6, search=search)
         return plan, seen
 
@@ -637,8 +641,6 @@ def test_a_ranked_search_that_cannot_fit_skips_what_the_model_puts_above_the_bud
     """A budget below everything the model reaches: ranked, the fallbacks the model puts
     above it (greedy's lowest plan, Chen's segments) are not compiled, and the BudgetError
     says so; the exhaustive search compiles them."""
-    from jaxmem.measure import Figures
-
     from jaxmem.planning.strategies import plan_auto
 
     step, args = _mlp(depth=6, batch=256)
@@ -647,17 +649,10 @@ def test_a_ranked_search_that_cannot_fit_skips_what_the_model_puts_above_the_bud
 
     def run(search):
         seen = []
-
-        def fake_compile(plan):  # the plain step as the model has it, plans 10% below
-            seen.append(plan.recompute)
-            peak = int((0.9 if plan.recompute else 1.0)
-                       * m.evaluate(plan.recompute, plan.offload).peak)
-            return Figures(argument=peak, output=0, temp=0, alias=0, flops=1.0)
-
         with pytest.raises(BudgetError) as e:
             plan_with_budget(a, a.argument_bytes + 1, auto=plan_auto(a),
-                             compile_plan=fake_compile, solver="greedy", max_compiles=6,
-                             search=search)
+                             compile_plan=_scaled(m, 0.9, seen), solver="greedy",
+                             max_compiles=6, search=search)
         return str(e.value), len(seen)
 
     ranked, n_ranked = run("ranked")
