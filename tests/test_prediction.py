@@ -102,7 +102,7 @@ def test_ranking_union_reads_the_plans_files():
     paths = [str(ROOT / "benchmarks/results" / p) for p in (
         "prediction/plans-cpu.json", "prediction/plans-h100.json",
         "prediction/plans-cpu-test.json", "prediction/plans-h100-test.json",
-        "prediction_corpus/plans-h100.json")]
+        "prediction_corpus/plans-h100.json", "prediction_corpus/plans-h100-jraph.json")]
     rows = [r for p in paths for r in ranking_union.step_rows(p)]
     assert len(rows) >= 9
     for _, target, _, sets in rows:

@@ -63,13 +63,16 @@ PLAIN_MIN_BYTES = 16 * 2**20
 
 #: How far above the cost model's lowest predicted peak a candidate may be predicted and
 #: still have its rewritten step traced and analysed for the first group
-#: (:func:`_rewritten_best`). Simulated over the 26 steps whose every candidate was
-#: compiled (benchmarks/results/prediction*/plans-*.json: zoo and corpus, CPU and the
-#: H100 target): 4.0 rewritten steps analysed per step instead of 6.5, and the first
-#: group within 1% of the lowest compiled candidate (built-ins and plain included) on 23
-#: of 26 steps instead of 22 (the misses: the zoo ResNet on CPU at both sizes, the zoo GPT
-#: on CPU at test size).
-REWRITTEN_WITHIN = 0.10
+#: (:func:`_rewritten_best`). Over the 26 steps whose every candidate was compiled
+#: (benchmarks/results/prediction*/plans-*.json: zoo and corpus, CPU and the H100 target;
+#: ``python -m benchmarks.ranking_union``): 4.5 rewritten steps analysed per step instead
+#: of 6.5, and the first group within 1% of the lowest compiled candidate (built-ins and
+#: plain included) on 23 of 26 steps instead of 22 (the misses: the zoo ResNet on CPU at
+#: both sizes, the zoo GPT on CPU at test size); 5%: 21 of 26. 10% held 23 too, but
+#: missed the jraph GCN of the corpus at bench size on the H100 target by 11.3% (its best
+#: plan, MEDL's, predicted 10.6% above the model's lowest;
+#: benchmarks/results/prediction_corpus/plans-h100-jraph.json).
+REWRITTEN_WITHIN = 0.15
 
 
 def predicted(plan: Plan, analysis: Analysis, step: Step, options: Options
