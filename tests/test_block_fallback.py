@@ -152,3 +152,27 @@ def test_a_ranked_block_search_compiles_the_cheapest_predicted_fit_first_and_lea
     tried: list[str] = []
     none = ranked_block_plan(model, analysis, low, compiler(tried))
     assert none.plan is None and none.compiles == len(tried) == 1, tried
+
+
+def test_plan_over_rules_nothing_out_where_the_model_sees_a_loop_whole():
+    """The ranked search's PLAN_OVER holds for programs the cost model sees value by value;
+    a program with a loop (seen as one unit: a scanned GPT's lowest plan was predicted at
+    13x its compiled peak) gets 1.0, so no plan is ruled out by prediction."""
+    import jax.numpy as jnp
+
+    from jaxmem.planning.budget.fallbacks import PLAN_OVER, plan_over
+
+    def flat(w, x):
+        return jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+
+    def looped(w, x):
+        def loss(w):
+            h, _ = jax.lax.scan(lambda h, _: (jnp.tanh(h @ w), None), x, None, length=3)
+            return jnp.sum(h ** 2)
+        return jax.grad(loss)(w)
+
+    w, x = jnp.ones((8, 8)) * 0.1, jnp.ones((4, 8))
+    a_flat = from_program(jaxmem.trace(flat, w, x))
+    a_loop = from_program(jaxmem.trace(looped, w, x))
+    assert plan_over(a_flat) == PLAN_OVER["cpu"]
+    assert plan_over(a_loop) == 1.0

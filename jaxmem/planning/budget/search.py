@@ -31,11 +31,11 @@ from jaxmem.analyzing.costmodel import CostModel, DeviceProfile
 from jaxmem.analyzing.tags import offload_tagged
 from jaxmem.planning.budget import outcome
 from jaxmem.planning.budget.fallbacks import (
-    PLAN_OVER,
     DevicePeak,
     Found,
     best_block_plan,
     block_offload_plan,
+    plan_over,
     ranked_block_plan,
 )
 from jaxmem.planning.budget.solvers import greedy
@@ -160,11 +160,11 @@ class _Search:
 
     def _ruled_out(self, drop: frozenset[int], off: frozenset[int], what: str) -> bool:
         """Ranked: whether the model predicts ``(drop, off)`` above the budget by more than
-        its largest over-prediction of a plan on the platform (:data:`PLAN_OVER`), or above
+        its largest over-prediction of a plan on the platform (:func:`plan_over`), or above
         it once scaled by the smallest miss (compiled over predicted peak) of the plans
         this search compiled, so it is not compiled (a note says so)."""
-        over = PLAN_OVER.get(self.analysis.platform)
-        if not self.ranked or over is None or self.compile_plan is None:
+        over = plan_over(self.analysis)
+        if not self.ranked or self.compile_plan is None:
             return False
         pred = self.model.evaluate(drop, off).peak
         miss = min(self.tries.misses, default=0.0)
