@@ -639,8 +639,9 @@ def test_a_ranked_search_does_not_compile_medls_plan_predicted_far_above_the_bud
 
 def test_a_ranked_search_that_cannot_fit_skips_what_the_model_puts_above_the_budget():
     """A budget below everything the model reaches: ranked, the fallbacks the model puts
-    above it (greedy's lowest plan, Chen's segments) are not compiled, and the BudgetError
-    says so; the exhaustive search compiles them."""
+    above it (greedy's lowest plan, Chen's segments) are not compiled while the search
+    goes on, and the BudgetError says so; greedy's lowest is compiled once nothing fits
+    (the error's minimum); the exhaustive search compiles them all."""
     from jaxmem.planning.strategies import plan_auto
 
     step, args = _mlp(depth=6, batch=256)
@@ -653,10 +654,13 @@ def test_a_ranked_search_that_cannot_fit_skips_what_the_model_puts_above_the_bud
             plan_with_budget(a, a.argument_bytes + 1, auto=plan_auto(a),
                              compile_plan=_scaled(m, 0.9, seen), solver="greedy",
                              max_compiles=6, search=search)
-        return str(e.value), len(seen)
+        return str(e.value), len(seen), e.value.minimum_bytes
 
-    ranked, n_ranked = run("ranked")
-    exhaustive, n_exhaustive = run("exhaustive")
+    ranked, n_ranked, low_ranked = run("ranked")
+    exhaustive, n_exhaustive, low_exhaustive = run("exhaustive")
     assert "greedy (lowest) plan not compiled: predicted" in ranked
     assert "not compiled: predicted" not in exhaustive
     assert n_ranked < n_exhaustive
+    # nothing fit: greedy's lowest plan was compiled after all, so the error's minimum is
+    # the lowest peak reached, as the exhaustive search's is
+    assert low_ranked == low_exhaustive, (low_ranked, low_exhaustive)

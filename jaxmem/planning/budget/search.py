@@ -101,6 +101,8 @@ class _Search:
         # drop set.
         self.floor: frozenset[int] = frozenset()
         self.blocks: Found | None = None            # the block-plan fallback, once tried
+        # greedy's lowest plan, when the ranked search ruled it out by prediction
+        self.lowest_skipped: tuple[frozenset[int], frozenset[int]] | None = None
 
     # -- the search ---------------------------------------------------------------------------
     def run(self) -> Plan:
@@ -134,6 +136,15 @@ class _Search:
             # step when offloading them does not lower the peak): the budget comes first
             return outcome.tags_not_applied(self.basis, self.forced,
                                             [c.peak for c in self.tries.tried.values()])
+        if best is None and self.lowest_skipped is not None and compiled:
+            # nothing fits: greedy's lowest plan, ruled out by prediction, is compiled so
+            # that the error's minimum is the lowest peak jaxmem reaches, not the lowest of
+            # the few plans a ranked search compiled
+            self.basis.notes.append("greedy's lowest plan compiled after all, for the "
+                                    "lowest peak reached")
+            cand = self.tries.check(*self.lowest_skipped, "greedy (lowest)", self.requested)
+            if cand is not None and cand.peak <= self.requested:
+                return outcome.finish_best(self.basis, cand, self.tries.compiles)
         if best is None:
             raise outcome.no_fit(self.basis, self.tries.lowest, self.tries.compiles,
                                  self.how.allow_off)
@@ -214,6 +225,8 @@ class _Search:
                     continue
                 d, o, source = self._fallback_sets(stage)
                 if self._ruled_out((d | self.floor) - o, o, f"{source} plan"):
+                    if stage == "lowest":   # compiled after all should nothing fit
+                        self.lowest_skipped = ((d | self.floor) - o, o)
                     continue
             cand = self.tries.check((d | self.floor) - o, o, source, aim)
             if cand is None:
