@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from jaxmem.analyzing.analysis import Analysis
 from jaxmem.analyzing.costmodel import CostModel, DeviceProfile
 from jaxmem.planning.block_plans import block_depths, plan_blocks
-from jaxmem.planning.budget.fallbacks import first_block_kept
+from jaxmem.planning.budget.fallbacks import block_model, first_block_kept
 from jaxmem.planning.plan import Plan
 from jaxmem.xla.measure import fmt_bytes
 
@@ -66,16 +66,6 @@ class Lower:
     def overhead(self) -> float:
         """Recompute FLOPs as a fraction of the step's."""
         return self.recompute_flops / self.baseline_flops if self.baseline_flops else 0.0
-
-
-def block_model(model: CostModel, plan: Plan) -> CostModel:
-    """``model`` with its backward regions cut where ``plan`` re-creates (its
-    ``region_depth``: one region per block) and the plan's kept boundary values
-    (``plan.keep``) as chain starts (:meth:`CostModel.blocks`): the cost model of a block
-    plan. ``model`` itself when the plan has neither."""
-    if plan.region_depth is None and not plan.keep:
-        return model
-    return model.blocks(plan.region_depth, plan.keep)
 
 
 def lower_peaks(analysis: Analysis, plan: Plan, *, profile: DeviceProfile | str | None = None,

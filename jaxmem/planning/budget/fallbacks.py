@@ -32,8 +32,9 @@ from jaxmem.tracing.primitives import Kind
 from jaxmem.tracing.program import region_of
 from jaxmem.xla.measure import Figures, fmt_bytes
 
-__all__ = ["PLAN_OVER", "DevicePeak", "Found", "best_block_plan", "block_offload_plan",
-           "debug", "first_block_kept", "plan_over", "ranked_block_plan", "resaved"]
+__all__ = ["PLAN_OVER", "DevicePeak", "Found", "best_block_plan", "block_model",
+           "block_offload_plan", "debug", "first_block_kept", "plan_over", "predicted_peak",
+           "ranked_block_plan", "resaved"]
 
 _DEBUG = bool(os.environ.get("JAXMEM_BUDGET_DEBUG"))
 
@@ -159,13 +160,20 @@ def plan_over(analysis: Analysis) -> float:
     return PLAN_OVER.get(analysis.platform, 1.0)
 
 
+def block_model(model: CostModel, plan: Plan) -> CostModel:
+    """``model`` with its backward regions cut where ``plan`` re-creates (its
+    ``region_depth``: one region per block) and the plan's kept boundary values
+    (``plan.keep``) as chain starts (:meth:`CostModel.blocks`): the cost model of a block
+    plan. ``model`` itself when the plan has neither."""
+    if plan.region_depth is None and not plan.keep:
+        return model
+    return model.blocks(plan.region_depth, plan.keep)
+
+
 def predicted_peak(model: CostModel, plan: Plan) -> int:
-    """The cost model's peak for ``plan``, with its backward regions cut at its block
-    depth and its kept boundary values as chain starts (:meth:`CostModel.blocks`) where it
-    is a block plan."""
-    if plan.region_depth is not None or plan.keep:
-        model = model.blocks(plan.region_depth, plan.keep)
-    return model.evaluate(plan.recompute, plan.offload).peak
+    """The cost model's peak for ``plan`` (:func:`block_model`'s, where it is a block
+    plan)."""
+    return block_model(model, plan).evaluate(plan.recompute, plan.offload).peak
 
 
 def block_variants(analysis: Analysis) -> list[tuple[int, Plan]]:

@@ -68,6 +68,8 @@ class _Search:
         t_start = time.perf_counter()
         self.analysis, self.auto, self.compile_plan = analysis, auto, compile_plan
         self.ranked = search == "ranked"
+        # ranked: how far the model may over-predict a plan here (nothing ruled out: 1.0)
+        self.over = plan_over(analysis) if self.ranked else None
         notes: list[str] = []
         if compile_plan is not None:
             base_fig = (compile_plain() if compile_plain is not None
@@ -157,10 +159,8 @@ class _Search:
         if auto is None:
             return None, self.requested
         drop = frozenset(auto.recompute)
-        if self.compile_plan is None or self.forced or not drop:
-            self.floor = drop & self.model.candidates
-            return None, self.requested
-        if self._ruled_out(drop, frozenset(), "MEDL's plan"):
+        if (self.compile_plan is None or self.forced or not drop
+                or self._ruled_out(drop, frozenset(), "MEDL's plan")):
             self.floor = drop & self.model.candidates
             return None, self.requested
         cand = self.tries.check_auto(auto)
@@ -174,8 +174,8 @@ class _Search:
         its largest over-prediction of a plan on the platform (:func:`plan_over`), or above
         it once scaled by the smallest miss (compiled over predicted peak) of the plans
         this search compiled, so it is not compiled (a note says so)."""
-        over = plan_over(self.analysis)
-        if not self.ranked or self.compile_plan is None:
+        over = self.over
+        if over is None or self.compile_plan is None:
             return False
         pred = self.model.evaluate(drop, off).peak
         miss = min(self.tries.misses, default=0.0)
@@ -224,11 +224,12 @@ class _Search:
                         break
                     continue
                 d, o, source = self._fallback_sets(stage)
-                if self._ruled_out((d | self.floor) - o, o, f"{source} plan"):
-                    if stage == "lowest":   # compiled after all should nothing fit
-                        self.lowest_skipped = ((d | self.floor) - o, o)
-                    continue
-            cand = self.tries.check((d | self.floor) - o, o, source, aim)
+            d = (d | self.floor) - o
+            if not fits_model and self._ruled_out(d, o, f"{source} plan"):
+                if stage == "lowest":   # compiled after all should nothing fit
+                    self.lowest_skipped = (d, o)
+                continue
+            cand = self.tries.check(d, o, source, aim)
             if cand is None:
                 break       # out of compiles
             if cand.peak <= self.requested:
