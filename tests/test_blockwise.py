@@ -172,6 +172,28 @@ def test_a_budget_the_search_misses_falls_back_to_a_builtin_that_fits(monkeypatc
     assert e.value.minimum_bytes <= edited * 1.02
 
 
+def test_a_builtin_fallback_that_cannot_fit_compiles_only_the_one_that_saves_least(
+        monkeypatch):
+    """A budget below what nothing_saveable per block compiles to: the fallback compiles
+    that one built-in and not the three that save more (issue 37: they were four of a
+    failed budget's compiles); the error's minimum is the lowest peak either way."""
+    from jaxmem.compiling import builtin_fallbacks, plan_step, steps
+
+    w = _nnx_mlp()
+    tried = []
+    loss = steps.Step.loss
+    monkeypatch.setattr(steps.Step, "loss", lambda self, policy, per_block=False: (
+        tried.append((policy, per_block)), loss(self, policy, per_block))[1])
+    monkeypatch.setattr(plan_step, "plan_with_budget", _refuse)
+    with pytest.raises(jaxmem.BudgetError, match="saves least") as e:
+        jaxmem.optimize(w.step, donate_argnums=0, budget=1000).plan(*w.args)
+    assert tried == [builtin_fallbacks.FIRST_BUILTIN]
+    nothing = jax.checkpoint_policies.nothing_saveable
+    edited = measure.figures(measure.compile(
+        jax.jit(w.with_remat(nothing).step, donate_argnums=0).lower(*w.args))).peak
+    assert e.value.minimum_bytes <= edited * 1.02
+
+
 def test_programs_read_through_closed_call():
     """``closed_call`` (left by JAX's partial evaluation of some checkpointed losses; its
     jaxpr is ``call_jaxpr``, not ``jaxpr``) is inlined like jit: FLOPs are counted inside."""

@@ -4,7 +4,9 @@ Part of the fifth box (:mod:`jaxmem.compiling`). A budget is a guarantee, never 
 the step runs only where its compiled peak fits, else :class:`BudgetError`. When the budget
 search (:mod:`jaxmem.planning.budget`) cannot meet it, :func:`builtin_within` tries JAX's
 built-in policies (:data:`BUILTIN_POLICIES`) on the loss, around each block and around the
-whole loss, and runs the one with the fewest FLOPs that fits. A step with nothing to plan
+whole loss, and runs the one with the fewest FLOPs that fits; the one that saves least,
+``nothing_saveable`` per block, is compiled first, and when it does not fit the others are
+not compiled (:data:`FIRST_BUILTIN`). A step with nothing to plan
 (no backward pass at the top level, or ``strategy="none"``) runs as the plain step, or with
 its loop and shard_map bodies planned, when that fits (:func:`unplanned_budget`).
 """
@@ -27,6 +29,15 @@ from jaxmem.xla.measure import Figures, fmt_bytes
 #: The built-in policies a budget falls back to when jaxmem's own search cannot meet it.
 BUILTIN_POLICIES = ("dots_saveable", "nothing_saveable")
 
+#: The built-in compiled first, ``(policy, per_block)``: it saves a subset of what each of
+#: the others saves (``dots_saveable`` also keeps matmul outputs; around the whole loss the
+#: backward re-creates every block's values at once, around each block one block's), so
+#: where it does not fit the budget the others are not compiled (issue 37: they were four
+#: of the six to ten compiles of a budget that raises ``BudgetError``). Measured
+#: (``python -m benchmarks.builtin_order``): the lowest or tied-lowest of the four on every
+#: zoo and corpus step there, on CPU and the H100 target.
+FIRST_BUILTIN = ("nothing_saveable", True)
+
 
 def builtin_within(error: BudgetError, analysis: Analysis, step: Step,
                    compile_plain: Callable[[], Figures]) -> tuple[Plan, Any]:
@@ -39,9 +50,11 @@ def builtin_within(error: BudgetError, analysis: Analysis, step: Step,
     fits, lowest = _fitting_builtins(error, step)
     if not fits:
         raise BudgetError(
-            f"{error} The loss under JAX's built-in policies (dots_saveable, "
-            f"nothing_saveable; per block and whole) compiled to {fmt_bytes(lowest)} at "
-            "the lowest.", error.requested_bytes, lowest) from error
+            f"{error} The loss under JAX's built-in policies compiled to "
+            f"{fmt_bytes(lowest)} at the lowest (jax.checkpoint(block, "
+            "policy=nothing_saveable) per block first, which saves least; dots_saveable "
+            "and the whole loss only where it fits).", error.requested_bytes, lowest
+        ) from error
     _, _, policy, per_block, fig, exe = min(fits, key=lambda t: t[:2])
     what = (f"jax.checkpoint(block, policy={policy}) per block" if per_block
             else f"jax.checkpoint(loss, policy={policy})")
@@ -57,24 +70,29 @@ def builtin_within(error: BudgetError, analysis: Analysis, step: Step,
 
 
 def _fitting_builtins(error: BudgetError, step: Step) -> tuple[list[tuple], int]:
-    """Each built-in policy, per block and whole, compiled: those within the budget as
-    ``(flops, peak, policy, per_block, figures, executable)``, and the lowest peak seen
-    (the search's minimum where none is lower)."""
+    """The built-in policies, per block and whole, compiled (:data:`FIRST_BUILTIN` first;
+    the others only where it fits, or where it cannot wrap this loss): those within the
+    budget as ``(flops, peak, policy, per_block, figures, executable)``, and the lowest
+    peak seen (the search's minimum where none is lower)."""
     fits, lowest = [], error.minimum_bytes
-    for policy in BUILTIN_POLICIES:
-        for per_block in (True, False):
-            jitted, wrapped = step.loss(policy, per_block)
-            try:
-                lowered = jitted.lower(*step.flat)
-            except Exception:  # noqa: BLE001 - jax.checkpoint cannot take this loss
-                continue
-            if not wrapped:  # no differentiated loss, or no blocks in its names: plain
-                continue
-            exe = measure.compile(lowered)
-            fig = read(exe, jitted, step.flat)
-            lowest = min(lowest, fig.peak)
-            if fig.peak <= error.requested_bytes:
-                fits.append((fig.flops, fig.peak, policy, per_block, fig, exe))
+    order = [FIRST_BUILTIN] + [(policy, per_block) for policy in BUILTIN_POLICIES
+                               for per_block in (True, False)
+                               if (policy, per_block) != FIRST_BUILTIN]
+    for k, (policy, per_block) in enumerate(order):
+        jitted, wrapped = step.loss(policy, per_block)
+        try:
+            lowered = jitted.lower(*step.flat)
+        except Exception:  # noqa: BLE001 - jax.checkpoint cannot take this loss
+            continue
+        if not wrapped:  # no differentiated loss, or no blocks in its names: plain
+            continue
+        exe = measure.compile(lowered)
+        fig = read(exe, jitted, step.flat)
+        lowest = min(lowest, fig.peak)
+        if fig.peak <= error.requested_bytes:
+            fits.append((fig.flops, fig.peak, policy, per_block, fig, exe))
+        elif k == 0:  # the one that saves least does not fit: the others save more
+            break
     return fits, lowest
 
 
