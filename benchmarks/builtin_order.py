@@ -4,19 +4,20 @@ When jaxmem's budget search cannot meet a budget, the step is tried with its los
 JAX's built-in policies (:func:`jaxmem.compiling.builtin_fallbacks.builtin_within`):
 ``dots_saveable`` and ``nothing_saveable``, around each block of the loss and around the
 whole loss. The fallback compiles :data:`~jaxmem.compiling.builtin_fallbacks.FIRST_BUILTIN`
-(``nothing_saveable`` per block) first and the others only where it fits the budget: it
-saves a subset of what each of the others saves. This compiles all four on each step
+(``nothing_saveable`` per block) first and the others only where it compiles within
+:data:`~jaxmem.compiling.builtin_fallbacks.BUILTIN_SPREAD` of the budget: it saves a subset
+of what each of the others saves. This compiles all four on each step
 (each step in a fresh process; the search itself is not run: it is made to give up with a
 budget every built-in fits, so that the fallback compiles them all) and records their
-compiled peaks, so the rule is checked against the compiler: the first must be the lowest
-(or tied) wherever it applies.
+compiled peaks, so the rule is checked against the compiler: the first must be the lowest,
+or within ``BUILTIN_SPREAD`` of it, wherever it applies.
 
 Usage::
 
     python -m benchmarks.builtin_order --models mlp,resnet,transformer --size test \\
         --targets cpu,h100
 
-Writes ``benchmarks/results/builtin_order.json`` and ``.md``.
+Writes ``benchmarks/results/builtin_order-<size>.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -111,7 +112,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         sys.argv[1:] if argv is None else argv), "date": datetime.date.today().isoformat(),
         "git_commit": commit, "jax": jax.__version__}, "rows": rows}
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "builtin_order.json").write_text(json.dumps(result, indent=2) + "\n")
+    stem = f"builtin_order-{args.size}"
+    (OUT / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     kinds = ["nothing_saveable per block", "dots_saveable per block",
              "nothing_saveable whole", "dots_saveable whole"]
     lines = [f"`{result['meta']['command']}` (commit {commit[:10]}, {result['meta']['date']}, "
@@ -126,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 None: "n/a" if "error" not in r else r["error"][:60]}[r.get("first_is_lowest")]
         lines.append(f"| {r['model']} ({r['size']}) | {r['target']} | " + " | ".join(cells)
                      + f" | {held} |")
-    (OUT / "builtin_order.md").write_text("\n".join(lines) + "\n")
+    (OUT / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return result
 

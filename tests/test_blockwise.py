@@ -193,6 +193,14 @@ def test_a_builtin_fallback_that_cannot_fit_compiles_only_the_one_that_saves_lea
         jax.jit(w.with_remat(nothing).step, donate_argnums=0).lower(*w.args))).peak
     assert e.value.minimum_bytes <= edited * 1.02
 
+    # within BUILTIN_SPREAD above the budget the compiler may still order them otherwise:
+    # the three that save more are compiled too
+    tried.clear()
+    near = int(e.value.minimum_bytes / (1 + builtin_fallbacks.BUILTIN_SPREAD / 2))
+    with pytest.raises(jaxmem.BudgetError, match="built-in policies"):
+        jaxmem.optimize(w.step, donate_argnums=0, budget=near).plan(*w.args)
+    assert tried[0] == builtin_fallbacks.FIRST_BUILTIN and len(tried) == 4, tried
+
 
 def test_programs_read_through_closed_call():
     """``closed_call`` (left by JAX's partial evaluation of some checkpointed losses; its
