@@ -177,6 +177,31 @@ def test_the_budget_block_fallback_tries_its_plans_unfenced_on_an_accelerator():
             assert plan.unfenced and "unfenced" in plan.notes[-1]
 
 
+def test_a_ranked_block_search_keeps_the_first_replayed_block_once():
+    """When no block plan fits, a ranked search compiles the lowest again unfenced, and
+    keeps its first-replayed block only where it does not already (keeping "the first"
+    again would keep the next block: one compile more, the zoo Llama's same peak).
+    Synthetic compiler: nothing fits, fewer re-created values compile lower."""
+    from jaxmem.analyzing.costmodel import CostModel
+    from jaxmem.planning.budget.fallbacks import ranked_block_plan
+    from jaxmem.xla.measure import Figures
+
+    w = zoo.make("transformer", size="test")
+    a = jaxmem.analyze(w.step, *w.args, target="h100")
+    compiled = []
+
+    def compile_plan(p):
+        compiled.append(p)
+        return Figures(argument=300 + len(p.recompute), output=0, temp=0, alias=0,
+                       flops=1.0 + len(p.recompute))
+
+    found = ranked_block_plan(CostModel(a), a, 150, compile_plan)
+    assert found.plan is None and any(p.unfenced for p in compiled)
+    assert any("first-replayed block kept" in p.strategy for p in compiled)
+    assert all(p.strategy.count("first-replayed block kept") <= 1 for p in compiled), [
+        p.strategy for p in compiled]
+
+
 def test_a_plan_marked_unfenced_is_never_fenced():
     """``Plan.unfenced`` overrides ``fence_gradients=True`` (the rewrite has the unfenced
     plan's barriers), and is a plan of its own to the plan cache."""

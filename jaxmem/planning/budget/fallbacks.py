@@ -244,8 +244,9 @@ def ranked_block_plan(model: CostModel, analysis: Analysis, requested: int,
 def _unfenced(analysis: Analysis, c: _Checked, lowest_only: bool = False) -> None:
     """The block plans ``c`` tried, compiled again with their finished gradients left where
     the scheduler puts them (``Plan.unfenced``); when none fits, the lowest of those with
-    its first-replayed block kept. The fence (:func:`jaxmem.rewriting.settle.fence_finished`)
-    lowers most block plans on XLA:GPU, but a large gradient it makes early is live to the
+    its first-replayed block kept (unless it keeps it already). The fence
+    (:func:`jaxmem.rewriting.settle.fence_finished`) lowers most block plans on XLA:GPU,
+    but a large gradient it makes early is live to the
     update: penzai's llama-like bench step's depth-1 plan compiled to 2,048.8 MB fenced and
     1,904.2 MB unfenced (its 98 MB LM-head gradient), and with its first-replayed block
     kept to 1,899.9 MB, below its package switch's 1,902.9 MB. ``lowest_only`` (a ranked
@@ -258,9 +259,18 @@ def _unfenced(analysis: Analysis, c: _Checked, lowest_only: bool = False) -> Non
              for _, depth, blk, _ in tried]
     if not c.fitting:
         _, depth, low, _ = min(again, key=lambda t: t[3].peak)
+        if _KEPT in low.strategy:
+            # its first-replayed block is kept already: keeping "the first" again would
+            # keep the next block too, another plan and another compile (the zoo Llama at
+            # bench size, H100 target: 105.90 MiB either way)
+            return
         kept = first_block_kept(analysis, low)
         if kept is not low:
             c.check(depth, kept)
+
+
+#: What :func:`first_block_kept` adds to a plan's strategy name.
+_KEPT = "first-replayed block kept"
 
 
 def first_block_kept(analysis: Analysis, blk: Plan) -> Plan:
@@ -291,7 +301,7 @@ def first_block_kept(analysis: Analysis, blk: Plan) -> Plan:
         for c in blk.choices)
     return dataclasses.replace(
         blk, choices=choices,
-        strategy=blk.strategy.rstrip(")") + ", first-replayed block kept)",
+        strategy=blk.strategy.rstrip(")") + f", {_KEPT})",
         recompute_flops=recompute_cost(analysis, drop - last, depth, blk.keep))
 
 
