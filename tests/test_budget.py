@@ -673,6 +673,7 @@ def test_a_ranked_search_that_cannot_fit_does_not_compile_greedys_lowest_when_it
     1.52x, compiled 143.9 where a block plan had reached 105.9). Synthetic compiler: block
     plans compile at 1.2x their prediction, every other plan at ``scale`` times."""
     from jaxmem.measure import Figures
+
     from jaxmem.planning.strategies import plan_auto
 
     step, args = _mlp(depth=6, batch=256)
