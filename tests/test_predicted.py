@@ -39,7 +39,7 @@ class _Model:
 
 def _run(monkeypatch, compiled: dict[str, int], plain_predicted: int = 100,
          plain: int = 100, predictions=(40, 10, 30, 20), rewritten=None,
-         min_bytes: int = 0, within: float = 10.0):
+         min_bytes: int = 0, within: float = 10.0, platform: str = "cpu"):
     """``predicted.predicted`` over four candidates (predicted 40, 10, 30, 20) with
     synthetic compiled peaks: what was compiled, in order (a group compiled together
     joined by "+"), and what runs. ``within``: ``REWRITTEN_WITHIN`` (default: every
@@ -100,8 +100,8 @@ def _run(monkeypatch, compiled: dict[str, int], plain_predicted: int = 100,
         plan.strategy, base is not None, check))
     monkeypatch.setattr(predicted, "_plain_kept", lambda plan, a, base, tried: (
         ("plain", base[0].peak), base[1]))
-    analysis = SimpleNamespace(peak_bytes=plain_predicted, platform="cpu")
-    step = SimpleNamespace(platform="cpu")
+    analysis = SimpleNamespace(peak_bytes=plain_predicted, platform=platform)
+    step = SimpleNamespace(platform=platform)
     options = SimpleNamespace(max_recompute_fraction=0.05)
     _run.events = events
     return order, predicted.predicted(SimpleNamespace(donated=(0,)), analysis, step, options)
@@ -140,6 +140,22 @@ def test_plans_tied_in_the_model_are_compiled_together_and_the_lowest_checked(
     order, ((name, plain_compiled, _), exe) = _run(
         monkeypatch, dict(a=60, b=80, c=70, d=75), predictions=(40, 10, 30, 10))
     assert order == ["b+d"] and name == "d" and exe == "exe d" and not plain_compiled
+
+
+def test_on_a_gpu_plans_tied_in_the_model_are_compiled_one_at_a_time(monkeypatch):
+    """``TIES_BY_REWRITTEN``: on XLA:GPU the tied plan whose rewritten step is predicted
+    lowest is compiled alone, before any compile starts; the other follows only where it
+    does not pass. On CPU both compile together (as above)."""
+    ties = dict(predictions=(40, 10, 30, 10), rewritten=dict(a=90, b=70, c=95, d=66))
+    order, ((name, plain_compiled, _), exe) = _run(
+        monkeypatch, dict(a=60, b=80, c=70, d=75), platform="cuda", **ties)
+    assert order == ["d"] and name == "d" and exe == "exe d" and not plain_compiled
+    assert _run.events.index("analysed b") < _run.events.index("started d"), _run.events
+    order, ((name, _, _), _) = _run(monkeypatch, dict(a=60, b=80, c=70, d=120),
+                                    platform="cuda", **ties)
+    assert order == ["d", "plain", "b"] and name == "b"
+    order, _ = _run(monkeypatch, dict(a=60, b=80, c=70, d=75), platform="cpu", **ties)
+    assert order == ["b+d"]
 
 
 def test_the_rewritten_steps_best_is_compiled_with_the_first_group(monkeypatch):
