@@ -48,12 +48,26 @@ class Lowered:
     """``jax.stages.Lowered`` whose ``compile()`` uses jaxmem's compiler options.
 
     On CPU that keeps optimisation barriers, so ``memory_analysis()`` reflects the plan.
-    Everything else is delegated to the wrapped object.
+    Everything else is delegated to the wrapped object, lowered when first asked for:
+    ``compile()`` of a step whose plan was compiled already (the executable the first call
+    runs) returns that executable without lowering the step again (issue 37: the zoo Llama
+    at bench size spent 0.6 s of its first ``.lower().compile()`` on the H100 target
+    lowering the step a second time).
     """
 
     def __init__(self, lowered: Any, compiled: Any = None) -> None:
-        self._lowered = lowered
+        # a jax.stages.Lowered, or a thunk that lowers the step (called at most once)
+        self._thunk = lowered if callable(lowered) and not hasattr(lowered, "compile") \
+            else None
+        self._value = None if self._thunk is not None else lowered
         self._compiled = compiled  # the same program, already compiled the jaxmem way
+
+    @property
+    def _lowered(self) -> Any:
+        if self._value is None:
+            assert self._thunk is not None
+            self._value, self._thunk = self._thunk(), None
+        return self._value
 
     def compile(self, compiler_options: dict[str, Any] | None = None) -> Any:
         if self._compiled is not None and (not compiler_options or compiler_options ==
@@ -62,6 +76,8 @@ class Lowered:
         return measure.compile(self._lowered, compiler_options)
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # not delegated: this object's own (unset) attributes
+            raise AttributeError(name)
         return getattr(self._lowered, name)
 
 
@@ -126,7 +142,7 @@ class Optimized:
         """Like ``jax.jit(f).lower``; ``.compile()`` on the result applies jaxmem's options."""
         entry, flat, _ = self._prepare(args, kwargs)
         background.adopt(entry, wait=True)
-        return Lowered(entry.jitted.lower(*flat), entry.compiled)
+        return Lowered(functools.partial(entry.jitted.lower, *flat), entry.compiled)
 
     def trace(self, *args: Any, **kwargs: Any) -> Any:
         """Like ``jax.jit(f).trace``: a ``jax.stages.Traced`` of the rewritten step."""
