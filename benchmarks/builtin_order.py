@@ -42,18 +42,10 @@ import jax
 import jaxmem
 from jaxmem.compiling import builtin_fallbacks as bf, plan_step, steps
 from jaxmem.planning.budget import BudgetError
+from benchmarks.workload import load
 name, size, target = sys.argv[1:4]
-if name.startswith("corpus:"):
-    from types import SimpleNamespace
-    from benchmarks.external import corpus
-    e = corpus.make(name.split(":", 1)[1], size)
-    w = SimpleNamespace(step=e.make_step(), state=e.state, batch=e.batch)
-else:
-    from benchmarks import zoo
-    w = zoo.make(name, size=size)
+w = load(name, size, target)
 state, batch = w.state, w.batch
-if target != "cpu":
-    state, batch = jaxmem.targets.place((state, batch), target)
 last, peaks = {}, {}
 loss = steps.Step.loss
 def named_loss(self, policy, per_block=False):

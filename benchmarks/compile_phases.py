@@ -42,19 +42,11 @@ from jaxmem.compiling import choose, predicted
 from jaxmem.planning.strategies import plan_blocks
 from jaxmem.planning.block_plans import block_depths
 from jaxmem.xla import measure
+from benchmarks.workload import load
 model, size, target = sys.argv[1:4]
 MARK = sys.argv[4]
-if model.startswith("corpus:"):
-    from types import SimpleNamespace
-    from benchmarks.external import corpus
-    e = corpus.make(model.split(":", 1)[1], size)
-    w = SimpleNamespace(step=e.make_step(), state=e.state, batch=e.batch)
-else:
-    from benchmarks import zoo
-    w = zoo.make(model, size=size)
+w = load(model, size, target)
 state, batch = w.state, w.batch
-if target != "cpu":
-    state, batch = jaxmem.targets.place((state, batch), target)
 got = {}
 def captured(plan, analysis, step, options):
     got.update(analysis=analysis, step=step,

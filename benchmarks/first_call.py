@@ -62,7 +62,6 @@ _CHILD = r"""
 import json, resource, sys, time
 import jax
 import jax.monitoring
-from benchmarks import zoo
 mode, model, size, budget, target = sys.argv[1:6]
 xla = {"n": 0, "s": 0.0}
 def on_event(event, secs, **_):
@@ -77,13 +76,8 @@ def counted(*a, **k):  # the compiles jaxmem asks for (candidates, budget search
     calls["n"] += 1
     return _compile(*a, **k)
 measure.compile = counted
-if model.startswith("corpus:"):  # another project's train step (benchmarks.external.corpus)
-    from types import SimpleNamespace
-    from benchmarks.external import corpus
-    e = corpus.make(model.split(":", 1)[1], size)
-    w = SimpleNamespace(step=e.make_step(), state=e.state, batch=e.batch)
-else:
-    w = zoo.make(model, size=size)
+from benchmarks.workload import load
+w = load(model, size)  # a zoo model, or corpus:NAME (another project's train step)
 jax.block_until_ready((w.state, w.batch))
 state, batch = w.state, w.batch
 if target != "cpu":  # compile-only: the arguments on the target's topology devices
