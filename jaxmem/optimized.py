@@ -76,8 +76,9 @@ class Lowered:
         return measure.compile(self._lowered, compiler_options)
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):  # not delegated: this object's own (unset) attributes
+        if name in ("_thunk", "_value", "_compiled"):  # this object's own, not set yet
             raise AttributeError(name)
+        # everything else, private attributes too (jaxmem reads the lowering's platform)
         return getattr(self._lowered, name)
 
 
