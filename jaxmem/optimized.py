@@ -55,19 +55,13 @@ class Lowered:
     lowering the step a second time).
     """
 
-    def __init__(self, lowered: Any, compiled: Any = None) -> None:
-        # a jax.stages.Lowered, or a thunk that lowers the step (called at most once)
-        self._thunk = lowered if callable(lowered) and not hasattr(lowered, "compile") \
-            else None
-        self._value = None if self._thunk is not None else lowered
+    def __init__(self, lower: Callable[[], Any], compiled: Any = None) -> None:
+        self._lower = lower  # lowers the step: called once, when the lowering is asked for
         self._compiled = compiled  # the same program, already compiled the jaxmem way
 
-    @property
+    @functools.cached_property
     def _lowered(self) -> Any:
-        if self._value is None:
-            assert self._thunk is not None
-            self._value, self._thunk = self._thunk(), None
-        return self._value
+        return self._lower()
 
     def compile(self, compiler_options: dict[str, Any] | None = None) -> Any:
         if self._compiled is not None and (not compiler_options or compiler_options ==
@@ -76,7 +70,7 @@ class Lowered:
         return measure.compile(self._lowered, compiler_options)
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("_thunk", "_value", "_compiled"):  # this object's own, not set yet
+        if name in ("_lower", "_compiled"):  # this object's own, not set yet
             raise AttributeError(name)
         # everything else, private attributes too (jaxmem reads the lowering's platform)
         return getattr(self._lowered, name)
