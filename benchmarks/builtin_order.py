@@ -31,6 +31,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from jaxmem.compiling.builtin_fallbacks import BUILTIN_POLICIES, FIRST_BUILTIN
+
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results"
 ZOO = "mlp,resnet,transformer,cnn_bn,densenet,unet,llama"
@@ -42,6 +44,7 @@ import jax
 import jaxmem
 from jaxmem.compiling import builtin_fallbacks as bf, plan_step, steps
 from jaxmem.planning.budget import BudgetError
+from benchmarks.builtin_order import _label
 from benchmarks.workload import load
 name, size, target = sys.argv[1:4]
 w = load(name, size, target)
@@ -49,7 +52,7 @@ state, batch = w.state, w.batch
 last, peaks = {}, {}
 loss = steps.Step.loss
 def named_loss(self, policy, per_block=False):
-    last["k"] = f"{policy} {'per block' if per_block else 'whole'}"
+    last["k"] = _label(policy, per_block)
     return loss(self, policy, per_block)
 steps.Step.loss = named_loss
 read = bf.read
@@ -66,6 +69,11 @@ print(json.dumps(peaks))
 """
 
 
+def _label(policy: str, per_block: bool) -> str:
+    """How the child names a built-in: ``"<policy> per block"`` or ``"<policy> whole"``."""
+    return f"{policy} {'per block' if per_block else 'whole'}"
+
+
 def run(model: str, size: str, target: str) -> dict[str, Any]:
     """The four built-ins' compiled peaks for one step (a fresh process)."""
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
@@ -77,7 +85,7 @@ def run(model: str, size: str, target: str) -> dict[str, Any]:
     if r.returncode:
         return {"error": r.stderr.strip().splitlines()[-1][:300]}
     peaks = json.loads(r.stdout.strip().splitlines()[-1])
-    first = "nothing_saveable per block"
+    first = _label(*FIRST_BUILTIN)
     lowest = min(peaks.values()) if peaks else None
     return {"peaks": peaks, "first": peaks.get(first),
             "first_is_lowest": None if first not in peaks else peaks[first] <= lowest,
@@ -106,8 +114,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     OUT.mkdir(parents=True, exist_ok=True)
     stem = f"builtin_order-{args.size}"
     (OUT / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
-    kinds = ["nothing_saveable per block", "dots_saveable per block",
-             "nothing_saveable whole", "dots_saveable whole"]
+    kinds = [_label(*FIRST_BUILTIN)] + [
+        k for k in (_label(p, b) for b in (True, False) for p in BUILTIN_POLICIES[::-1])
+        if k != _label(*FIRST_BUILTIN)]
     lines = [f"`{result['meta']['command']}` (commit {commit[:10]}, {result['meta']['date']}, "
              f"jax {jax.__version__}). Compiled peaks, KiB; the first column is compiled "
              "first by the fallback.", "",
