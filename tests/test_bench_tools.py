@@ -1,5 +1,6 @@
-"""The benchmarks' own helpers: the step loader of the child processes and the parser of
-XLA's pass timers (benchmarks.workload, benchmarks.compile_phases)."""
+"""The benchmarks' own helpers: the step loader of the child processes, the parser of
+XLA's pass timers and the causes of ranking disagreements (benchmarks.workload,
+benchmarks.compile_phases, benchmarks.ranking_disagreements)."""
 
 from __future__ import annotations
 
@@ -33,3 +34,41 @@ def test_xla_timers_are_summed_per_compile_between_the_markers():
     assert abs(first["HLO pass: priority-fusion"] - 3.35) < 1e-9
     assert first["GpuCompiler::RunHloPasses"] == 5.5  # the line before the marker not counted
     assert abs(second["HLO pass: cse"] - 4e-5) < 1e-12
+
+
+def test_a_disagreement_is_put_down_to_the_first_figure_that_orders_it_right():
+    from benchmarks.ranking_disagreements import cause
+
+    def row(compiled, model, fused=None, rewritten=None):
+        return {"compiled": compiled, "model": model, "fused": fused, "rewritten": rewritten}
+
+    assert cause(row(100, 10), row(200, 20)) is None             # the model agrees
+    assert cause(row(100, 20), row(100.5, 10)) is None           # the compiler ties them
+    assert cause(row(100, 10), row(200, 10)) == "tied"
+    assert cause(row(100, 20, 1, 9), row(200, 10, 2, 1)) == "fused"
+    assert cause(row(100, 20, 2, 1), row(200, 10, 1, 9)) == "rewritten"
+    assert cause(row(100, 20, 2, 9), row(200, 10, 1, 1)) == "compiler"
+    assert cause(row(100, 20, None, None), row(200, 10, None, None)) == "compiler"
+
+
+def test_fused_free_peak_is_the_plain_peak_when_everything_is_kept_and_drops_lower_it():
+    import jax.numpy as jnp
+
+    import jaxmem
+    from benchmarks.ranking_disagreements import FusedFree
+    from jaxmem.analyzing.costmodel import CostModel
+
+    def loss(w, x):
+        h = x
+        for k in range(3):
+            h = jnp.tanh(h @ w[k]) * 2.0 + 1.0
+        return jnp.sum(h ** 2)
+
+    w, x = jnp.ones((3, 64, 64)) * 0.01, jnp.ones((32, 64))
+    a = jaxmem.analyze(jax.value_and_grad(loss), w, x)
+    model = CostModel(a)
+    ff = FusedFree(model)
+    assert abs(ff.peak() - a.peak_bytes) <= 1
+    assert ff.fused and ff.fused <= model.activations   # 1 - tanh², fused into its reader
+    assert ff.peak(ff.fused) == ff.peak()           # dropping them changes nothing stored
+    assert model.evaluate(ff.fused).peak < model.evaluate().peak  # where the model's did

@@ -1,0 +1,268 @@
+"""Where the cost model orders candidate plans unlike the compiler, pair by pair, and why.
+
+``python -m benchmarks.prediction --plans`` compiles every candidate plan of a step and
+records its compiled peak, the cost model's prediction (``model``) and the rewritten step's
+own liveness (``rewritten``). This reads those files, traces each step again (nothing is
+compiled) to rebuild its candidates, and adds a third figure:
+
+- ``fused``: the cost model's peak where a residual that the step's compiler fuses into its
+  readers (not materialised: :func:`jaxmem.analyzing.liveness.materialised`, the rule the
+  plain step's predicted peak already uses) is not charged as stored; the materialised
+  values it is made from are (its chain starts), as for a dropped value. Calibrated as the
+  model is (keeping everything predicts the plain step's predicted peak). The cost model
+  charges every residual at its full size and scales all of them by one factor fitted to
+  the plain step, so where many residuals fuse (on XLA:GPU: elementwise ops, converts,
+  broadcasts) that factor also shrinks the residuals a plan keeps, and plans come out low.
+
+Then every pair of plans whose compiled peaks differ by more than 1% and that the model
+orders the other way (or ties) is listed with its cause, the first that applies:
+
+- ``tied``: the model predicts both alike (the same values dropped, grouped or cut into
+  regions differently: the model sees a plan's drop set, not its grouping);
+- ``fused``: the ``fused`` figure orders them as the compiler does;
+- ``rewritten``: the rewritten step's liveness does (the rewrite's regions, barriers and
+  re-created values, which the drop set does not show);
+- ``compiler``: neither does (XLA's own scheduling and fusion of the rewritten step, beyond
+  jaxmem's liveness model).
+
+Run::
+
+    python -m benchmarks.ranking_disagreements \\
+        benchmarks/results/prediction/plans-h100.json \\
+        benchmarks/results/prediction/plans-h100-test.json \\
+        benchmarks/results/prediction_corpus/plans-h100.json \\
+        benchmarks/results/prediction_corpus/plans-h100-jraph.json \\
+        --out benchmarks/results/prediction/disagreements-h100
+
+A step whose candidates today differ from the file's (names, count) is reported and
+skipped: its figures were taken on other plans.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from itertools import combinations
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+TIE = 0.01  # compiled peaks closer than this are a tie, as in benchmarks.prediction_plans
+CAUSES = ("tied", "fused", "rewritten", "compiler")
+
+
+class FusedFree:
+    """The cost model's peak with the residuals its compiler fuses into their readers not
+    stored (see the module's docstring): ``FusedFree(model).peak(drop, off)``."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.fused = frozenset(v for v in model.activations if not model.mat[v])
+        a = model.analysis
+        raw = self.raw(frozenset(), frozenset())
+        self.floor = min(a.argument_bytes, a.peak_bytes)
+        self.kappa = float(np.clip((a.peak_bytes - self.floor) / max(raw, 1), 0.05, 1.0))
+        self.base = a.peak_bytes - self.kappa * raw
+
+    def raw(self, drop: Iterable[int], off: Iterable[int]) -> int:
+        """Model bytes at the worst backward region: the stored values still needed there
+        (fused residuals re-created from their chain starts) and its recompute working
+        set."""
+        m = self.model
+        drop, off = frozenset(drop) | self.fused, frozenset(off)
+        states = m.states(drop, off)
+        alive = m.alive_bytes(drop, off, states)
+        trans = np.zeros_like(alive)
+        for i, s in states.items():
+            trans[i] = s.transient
+        return max(int(alive[0]), int((alive + trans).max()))
+
+    def peak(self, drop: Iterable[int] = (), off: Iterable[int] = ()) -> int:
+        return int(self.base + self.kappa * self.raw(drop, off))
+
+
+def cause(a: dict[str, Any], b: dict[str, Any]) -> str | None:
+    """Why the ``model`` figures of rows ``a`` and ``b`` order them unlike their
+    ``compiled`` peaks (None: they agree, or the compiled peaks tie within :data:`TIE`)."""
+    if abs(a["compiled"] - b["compiled"]) <= TIE * max(a["compiled"], b["compiled"]):
+        return None
+
+    def right(key: str) -> bool:
+        if a.get(key) is None or b.get(key) is None or a[key] == b[key]:
+            return False
+        return (a[key] < b[key]) == (a["compiled"] < b["compiled"])
+
+    if right("model"):
+        return None
+    if a["model"] == b["model"]:
+        return "tied"
+    for key in ("fused", "rewritten"):
+        if right(key):
+            return key
+    return "compiler"
+
+
+@contextlib.contextmanager
+def _caught() -> Iterator[dict[str, Any]]:
+    """What ``verify=True`` is handed (plan, analysis, step, options), caught before it
+    compiles anything."""
+    from jaxmem.compiling import predicted
+
+    cap: dict[str, Any] = {}
+
+    class _Stop(Exception):
+        pass
+
+    def spy(plan: Any, analysis: Any, step: Any, options: Any) -> Any:
+        cap.update(plan=plan, analysis=analysis, step=step, options=options)
+        raise _Stop
+
+    original = predicted.predicted
+    predicted.predicted = spy
+    try:
+        with contextlib.suppress(_Stop):
+            yield cap
+    finally:
+        predicted.predicted = original
+
+
+def candidates(name: str, size: str, target: str) -> tuple[Any, list[Any]]:
+    """The cost model of ``name``'s step on ``target`` and its candidate plans, as
+    ``jaxmem.optimize``'s default ``verify`` builds them (traced, not compiled)."""
+    import jaxmem
+    from benchmarks.workload import load
+    from jaxmem.analyzing.costmodel import CostModel
+    from jaxmem.compiling import choose, plan_cache
+
+    w = load(name, size, target)
+    plan_cache.clear_memory()
+    with _caught() as cap:
+        jaxmem.optimize(w.step, donate_argnums=(0,)).plan(w.state, w.batch)
+    if not cap:
+        raise RuntimeError("verify was not reached (a cached plan?)")
+    cands = choose.rewrite_candidates(cap["plan"], cap["analysis"], cap["step"],
+                                      cap["options"])
+    return CostModel(cap["analysis"]), [c.plan for c in cands]
+
+
+def _strategy(row_name: str) -> str:
+    """A row's candidate name as the plan's strategy (the file notes the chosen one and
+    renames MEDL's strict variant)."""
+    return row_name.removesuffix(" (chosen)").split(" (strict")[0].split(" [")[0]
+
+
+def step(entry: dict[str, Any]) -> dict[str, Any]:
+    """One step of a plans file: its plan rows with ``fused`` added, its disagreeing pairs
+    and their causes, and the mean absolute errors of ``model`` and ``fused``."""
+    rows = [dict(r) for r in entry["candidates"] if r["kind"] == "plan"]
+    model, plans = candidates(entry["model"], entry["size"], entry["target"])
+    names = [p.strategy for p in plans]
+    if names != [_strategy(r["candidate"]) for r in rows]:
+        return {"skipped": f"candidates differ from the file's: now {names}"}
+    ff = FusedFree(model)
+    for r, p in zip(rows, plans, strict=True):
+        r["model_now"] = model.evaluate(p.recompute, p.offload).peak
+        r["fused"] = ff.peak(p.recompute, p.offload)
+    pairs = []
+    for a, b in combinations(rows, 2):
+        why = cause(a, b)
+        if why is not None:
+            pairs.append({"a": a["candidate"], "b": b["candidate"], "cause": why,
+                          "compiled": [a["compiled"], b["compiled"]],
+                          "model": [a["model"], b["model"]],
+                          "fused": [a["fused"], b["fused"]],
+                          "rewritten": [a["rewritten"], b["rewritten"]]})
+    n_pairs = sum(1 for a, b in combinations(rows, 2)
+                  if abs(a["compiled"] - b["compiled"])
+                  > TIE * max(a["compiled"], b["compiled"]))
+
+    def mean_err(key: str) -> float:
+        return round(100 * float(np.mean([abs(r[key] / r["compiled"] - 1) for r in rows
+                                          if r.get(key)])), 1)
+
+    return {"rows": rows, "pairs": n_pairs, "disagreements": pairs,
+            "err_model_pct": mean_err("model"), "err_fused_pct": mean_err("fused"),
+            "err_rewritten_pct": mean_err("rewritten"),
+            "model_reproduced": all(r["model_now"] == r["model"] for r in rows)}
+
+
+def markdown(meta: dict[str, Any], steps: list[dict[str, Any]]) -> str:
+    out = [f"`{meta['command']}` ({meta['date']}, commit {str(meta['git_commit'])[:10]})", "",
+           "| step | plans | pairs | model orders unlike the compiler | " +
+           " | ".join(CAUSES) + " | mean abs. error: model | fused | rewritten |",
+           "|---|---:|---:|---:|" + "---:|" * len(CAUSES) + "---:|---:|---:|"]
+    total: Counter[str] = Counter()
+    n_pairs = 0
+    for s in steps:
+        if "skipped" in s:
+            out.append(f"| {s['key']} | skipped: {s['skipped'][:120]} |")
+            continue
+        c = Counter(p["cause"] for p in s["disagreements"])
+        total.update(c)
+        n_pairs += s["pairs"]
+        out.append(f"| {s['key']} | {len(s['rows'])} | {s['pairs']} | "
+                   f"{len(s['disagreements'])} | " + " | ".join(str(c[k]) for k in CAUSES)
+                   + f" | {s['err_model_pct']}% | {s['err_fused_pct']}% | "
+                   f"{s['err_rewritten_pct']}% |")
+    bad = sum(total.values())
+    out += ["", f"{bad} of {n_pairs} pairs ordered unlike the compiler "
+            f"({100 * (1 - bad / max(n_pairs, 1)):.1f}% agree); causes: "
+            + ", ".join(f"{k} {total[k]}" for k in CAUSES) + ".", "",
+            "| step | plan a | plan b | compiled MiB | model MiB | fused MiB | rewritten MiB "
+            "| cause |", "|---|---|---|---|---|---|---|---|"]
+
+    def mib(x: list[int | None]) -> str:
+        return " / ".join("–" if v is None else f"{v / 2**20:.2f}" for v in x)
+
+    for s in steps:
+        for p in s.get("disagreements", ()):
+            out.append(f"| {s['key']} | {p['a']} | {p['b']} | {mib(p['compiled'])} | "
+                       f"{mib(p['model'])} | {mib(p['fused'])} | {mib(p['rewritten'])} | "
+                       f"{p['cause']} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("files", nargs="+", help="JSON of python -m benchmarks.prediction --plans")
+    ap.add_argument("--out", type=Path, help="write OUT.md and OUT.json")
+    a = ap.parse_args(argv)
+    root = Path(__file__).resolve().parents[1]
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                            text=True).stdout.strip() or None
+    meta = {"command": "python -m benchmarks.ranking_disagreements "
+            + " ".join(sys.argv[1:] if argv is None else argv),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "git_commit": commit, "tie": TIE}
+    steps = []
+    for f in a.files:
+        for e in json.loads(Path(f).read_text())["models"]:
+            if e.get("error"):
+                continue
+            key = f"{e['model']} ({e['size']}, {e['target']})"
+            try:
+                s = step(e)
+            except Exception as ex:  # noqa: BLE001 - reported; the others go on
+                s = {"skipped": f"{type(ex).__name__}: {ex}".splitlines()[0]}
+            s["key"] = key
+            steps.append(s)
+            print(key, s.get("skipped") or
+                  f"{len(s['disagreements'])} of {s['pairs']} pairs", flush=True)
+    md = markdown(meta, steps)
+    print(md)
+    if a.out:
+        a.out.with_suffix(".md").write_text(md)
+        a.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "steps": steps},
+                                                         indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
