@@ -101,7 +101,12 @@ def _images(batch: int, image: int, classes: int, nchw: bool = False, seed: int 
 
 _LM = {"test": dict(layers=2, hidden=64, heads=4, seq=32, batch=2, vocab=128),
        # GPT-2 small / BERT-base's published layers, width and vocabulary; sequence 256.
-       "bench": dict(layers=12, hidden=768, heads=12, seq=256, batch=4, vocab=50257)}
+       "bench": dict(layers=12, hidden=768, heads=12, seq=256, batch=4, vocab=50257),
+       # flax's lm1b example's decoder at its published width (issue 37's 24 GB case): 6
+       # layers, 512 wide, MLP 2048 (GPT-2's 4x), vocabulary 30k, sequence 128, batch 32,
+       # computed in bfloat16 (parameters float32). GPT-2's blocks at those sizes.
+       "lm1b": dict(layers=6, hidden=512, heads=8, seq=128, batch=32, vocab=30000,
+                    dtype="bfloat16")}
 
 
 def _tx_lm(kind: str, size: str, devices: Any = None) -> Entry:
@@ -123,7 +128,8 @@ def _tx_lm(kind: str, size: str, devices: Any = None) -> Entry:
         cls = tf.FlaxBertForMaskedLM
 
     def build(checkpointing: bool):
-        model = cls(config, input_shape=(1, c["seq"]), seed=0, _do_init=True)
+        model = cls(config, input_shape=(1, c["seq"]), seed=0, _do_init=True,
+                    dtype=jnp.dtype(c.get("dtype", "float32")))
         if checkpointing:
             model.enable_gradient_checkpointing()  # transformers' own per-block nn.remat
         return model
