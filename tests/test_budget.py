@@ -539,7 +539,8 @@ def test_budget_search_lets_go_of_executables_beaten_on_peak_and_flops(monkeypat
     monkeypatch.setattr(plan_step.measure, "compile", lambda lowered: f"exe {lowered}")
     monkeypatch.setattr(plan_step, "read", lambda exe, jitted, flat: Figures(
         argument=table[jitted][0], output=0, temp=0, alias=0, flops=table[jitted][1]))
-    step = SimpleNamespace(flat=(), rewrite=lambda p: _Jitted(p.name))
+    step = SimpleNamespace(flat=(), rewrite=lambda p: _Jitted(p.name),
+                           program=SimpleNamespace(nodes=[None]))
     compiles = plan_step._Compiles(step)
     plan = {k: SimpleNamespace(name=k, recompute=frozenset({1}), offload=frozenset(),
                                strategy="blocks(depth=1)") for k in table}
@@ -559,7 +560,7 @@ class _Jitted(str):
     def trace(self, *flat):
         from types import SimpleNamespace
 
-        return SimpleNamespace(jaxpr=None, lower=lambda: str(self))
+        return SimpleNamespace(jaxpr=SimpleNamespace(eqns=()), lower=lambda: str(self))
 
 
 def test_a_search_plan_too_large_to_compile_is_skipped_and_noted(mlp):
@@ -584,6 +585,33 @@ def test_a_search_plan_too_large_to_compile_is_skipped_and_noted(mlp):
         plan_with_budget(a, int(0.7 * plain), compile_plan=compile_plan)
     assert declined
     assert "not compiled: too large (test)" in str(e.value), str(e.value)
+
+
+def test_medls_plan_too_large_to_compile_is_skipped_and_the_search_goes_on(mlp):
+    """MEDL's plan, declined as too large (its rewrite replays chains region by region),
+    is not compiled; the search goes on to its own plans as when the model rules it out,
+    and the plan's notes say so."""
+    from jaxmem.planning.budget.units import TooLargeToCompile
+    from jaxmem.planning.strategies import plan_auto
+    from jaxmem.rewriting import rewrite
+
+    step, args, a = mlp
+    flat = jax.tree_util.tree_leaves(args)
+    seen = []
+
+    def compile_plan(p):
+        seen.append(p.strategy)
+        if p.strategy == "auto":
+            raise TooLargeToCompile("too large (test)")
+        return measure.measure(jax.jit(rewrite.apply(a.program, p)), *flat)
+
+    plain = measure.measure(jax.jit(step), *args).peak
+    plan = plan_with_budget(a, int(0.9 * plain), compile_plan=compile_plan,
+                            auto=plan_auto(a), search="exhaustive")
+    assert seen[:2] == ["none", "auto"] and len(seen) > 2  # the plain step, MEDL's, more
+    assert plan.compiled.peak <= int(0.9 * plain)
+    assert any("MEDL's plan not compiled: too large (test)" in n for n in plan.notes), \
+        plan.notes
 
 
 def test_a_rewrite_over_the_growth_limit_is_declined():

@@ -39,11 +39,13 @@ class _Model:
 
 def _run(monkeypatch, compiled: dict[str, int], plain_predicted: int = 100,
          plain: int = 100, predictions=(40, 10, 30, 20), rewritten=None,
-         min_bytes: int = 0, within: float = 10.0, platform: str = "cpu"):
+         min_bytes: int = 0, within: float = 10.0, platform: str = "cpu",
+         too_large: frozenset[str] = frozenset()):
     """``predicted.predicted`` over four candidates (predicted 40, 10, 30, 20) with
     synthetic compiled peaks: what was compiled, in order (a group compiled together
     joined by "+"), and what runs. ``within``: ``REWRITTEN_WITHIN`` (default: every
-    candidate's rewritten step analysed)."""
+    candidate's rewritten step analysed); ``too_large``: the candidates whose rewrite is
+    over ``MAX_REWRITE_GROWTH`` (the reasons the plan's notes get are in ``_run.skipped``)."""
     order: list[str] = []
     events: list[str] = []  # compiles started and rewritten steps analysed, in order
     cands = [Candidate(SimpleNamespace(strategy=n, recompute=p, offload=(), notes=(),
@@ -96,12 +98,24 @@ def _run(monkeypatch, compiled: dict[str, int], plain_predicted: int = 100,
 
     monkeypatch.setattr(predicted, "_Compiles", Compiles)
     monkeypatch.setattr(predicted, "_plain", compile_plain)
-    monkeypatch.setattr(predicted, "_kept", lambda plan, fig, base, tried, check: (
-        plan.strategy, base is not None, check))
-    monkeypatch.setattr(predicted, "_plain_kept", lambda plan, a, base, tried: (
-        ("plain", base[0].peak), base[1]))
+    monkeypatch.setattr(predicted._RewrittenPeaks, "_jaxpr",  # the "trace": its name
+                        lambda self, i: self.cands[i].plan.strategy)
+    monkeypatch.setattr(predicted, "too_large", lambda jaxpr, n: (
+        "too large (test)" if jaxpr in too_large else None))
+    _run.skipped = []
+
+    def kept(plan, fig, base, tried, skipped, check):
+        _run.skipped = skipped
+        return plan.strategy, base is not None, check
+
+    def plain_kept(plan, a, base, tried, skipped):
+        _run.skipped = skipped
+        return ("plain", base[0].peak), base[1]
+
+    monkeypatch.setattr(predicted, "_kept", kept)
+    monkeypatch.setattr(predicted, "_plain_kept", plain_kept)
     analysis = SimpleNamespace(peak_bytes=plain_predicted, platform=platform)
-    step = SimpleNamespace(platform=platform)
+    step = SimpleNamespace(platform=platform, program=SimpleNamespace(nodes=[]))
     options = SimpleNamespace(max_recompute_fraction=0.05)
     _run.events = events
     return order, predicted.predicted(SimpleNamespace(donated=(0,)), analysis, step, options)
@@ -132,6 +146,27 @@ def test_the_plain_step_runs_when_no_candidate_is_below_it(monkeypatch):
     # the three best predicted (b, d, c) and the plain step; "a" is never compiled
     assert order == ["b", "plain", "d", "c"] and kept == ("plain", 100)
     assert exe == "exe plain"
+
+
+def test_a_candidate_too_large_to_compile_is_left_out_and_the_next_best_compiled(
+        monkeypatch):
+    # b, the best predicted, has a rewrite over MAX_REWRITE_GROWTH: d is compiled instead
+    order, ((name, plain_compiled, _), exe) = _run(
+        monkeypatch, dict(a=60, b=80, c=70, d=75), too_large=frozenset("b"))
+    assert order == ["d"] and name == "d" and exe == "exe d" and not plain_compiled
+    assert _run.skipped == ["b: too large (test)"]
+    assert not any("analysed b" in e for e in _run.events)  # not analysed either
+    # every fitting one is tried before the plain step runs: "a" takes b's place
+    order, (kept, _) = _run(monkeypatch, dict(a=160, b=80, c=170, d=175),
+                            too_large=frozenset("b"))
+    assert order == ["d", "plain", "c", "a"] and kept == ("plain", 100)
+    assert _run.skipped == ["b: too large (test)"]
+    # one too large after the first group is passed over when reached (the first group,
+    # traced to be lowered anyway, is all that is sized before the first compile)
+    order, ((name, _, _), _) = _run(monkeypatch, dict(a=60, b=120, c=70, d=85),
+                                    too_large=frozenset("d"))
+    assert order == ["b", "plain", "c"] and name == "c"
+    assert _run.skipped == ["d: too large (test)"]
 
 
 def test_plans_tied_in_the_model_are_compiled_together_and_the_lowest_checked(

@@ -16,7 +16,6 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from jaxmem import _jax
 from jaxmem.analyzing.analysis import Analysis
 from jaxmem.analyzing.losses import logits_notes
 from jaxmem.analyzing.tags import offload_tagged
@@ -26,7 +25,7 @@ from jaxmem.compiling.builtin_fallbacks import builtin_within, unplanned_budget,
 from jaxmem.compiling.offload_verify import device_peak, verified_offload
 from jaxmem.compiling.options import Options
 from jaxmem.compiling.signature import profile_of
-from jaxmem.compiling.steps import Step, read, rewrite_key
+from jaxmem.compiling.steps import Step, read, rewrite_key, too_large
 from jaxmem.compiling.trace_step import scans
 from jaxmem.memory import state_offload
 from jaxmem.planning import strategies
@@ -77,8 +76,9 @@ class _Compiles:
         jitted, flat = self._streamed(self.step.rewrite(p))
         key = rewrite_key(p)
         traced = jitted.trace(*flat)
-        if p.strategy == "budget":  # the search's own plans (greedy, exact): sized first
-            _check_size(traced.jaxpr, len(self.step.program.nodes))
+        # sized first: the search's own plans (greedy, exact) and MEDL's, which replays
+        # chains region by region (3.3x the step on the lm1b-width GPT-2 decoder)
+        _check_size(traced.jaxpr, len(self.step.program.nodes))
         exe = measure.compile(traced.lower())
         fig = read(exe, jitted, flat)
         others = {k: f for k, (_, f) in self.kept.items() if k != key}
@@ -103,31 +103,13 @@ class _Compiles:
         return self._plain[0] if self._plain is not None else None
 
 
-#: The most equations a budget search's own plan (greedy, exact) may have, as a multiple
-#: of the step's, to be compiled: XLA's compile time and host memory grow with the program.
-#: BERT-base's lowest-memory greedy plan at its bench size (seeded with the automatic plan,
-#: as the search seeds it) replays chains region by region into 148,318 equations, 18.1x
-#: the step's 8,217, and XLA:GPU's compile of it passed 21 GB of host memory on a 24 GB
-#: machine (unseeded: 30,469 equations and 400 barriers, 3.7x); its block plans, the
-#: search's next stage, are 1.3x. A plan over the limit is not compiled and the plan's
-#: notes say so.
-MAX_REWRITE_GROWTH = 3.0
-
-
 def _check_size(jaxpr: Any, step_equations: int) -> None:
     """Raise :class:`TooLargeToCompile` when ``jaxpr`` (a rewrite, sub-jaxprs counted)
-    has more than :data:`MAX_REWRITE_GROWTH` times ``step_equations``."""
-    n = _equations(jaxpr)
-    if n > MAX_REWRITE_GROWTH * max(step_equations, 1):
-        raise TooLargeToCompile(
-            f"its rewrite has {n:,} equations, {n / max(step_equations, 1):.1f}x the step's "
-            f"{step_equations:,} (over MAX_REWRITE_GROWTH={MAX_REWRITE_GROWTH:g}: XLA's "
-            "compile time and host memory grow with the program)")
-
-
-def _equations(jaxpr: Any) -> int:
-    """Equations of ``jaxpr``, those of its sub-jaxprs (loop and remat bodies) included."""
-    return sum(1 + sum(map(_equations, _jax.sub_jaxprs(eqn))) for eqn in jaxpr.eqns)
+    has more than :data:`~jaxmem.compiling.steps.MAX_REWRITE_GROWTH` times
+    ``step_equations`` (:func:`~jaxmem.compiling.steps.too_large`)."""
+    why = too_large(jaxpr, step_equations)
+    if why is not None:
+        raise TooLargeToCompile(why)
 
 
 def _beats(a: Figures, b: Figures) -> bool:

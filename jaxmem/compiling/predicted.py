@@ -22,7 +22,10 @@ The first that passes runs:
 
 The candidates compiled are those :func:`.choose.ranked` would compile first (the
 :data:`~jaxmem.compiling.choose.TOP` best predicted, and every one tied with the last of
-them, so more than ``TOP`` where many tie); when none passes,
+them, so more than ``TOP`` where many tie), less any whose rewrite has more than
+:data:`~jaxmem.compiling.steps.MAX_REWRITE_GROWTH` times the step's equations (not
+compiled, the plan's notes say so; where one of the first group is, the ``TOP`` are
+counted among those that fit); when none passes,
 the plain step runs (compiled already), with a warning and a note.
 The built-in candidates (``jax.checkpoint(policy=dots_saveable)`` around the loss and its
 blocks) are not compiled: this mode does not promise to be at or below them;
@@ -43,7 +46,7 @@ from jaxmem.analyzing.costmodel import CostModel
 from jaxmem.compiling import choose, quick_compile
 from jaxmem.compiling.choose import TOP, Candidate, rewrite_candidates
 from jaxmem.compiling.options import Options
-from jaxmem.compiling.steps import Step, read
+from jaxmem.compiling.steps import Step, read, too_large
 from jaxmem.planning import strategies
 from jaxmem.planning.plan import Plan
 from jaxmem.xla import measure
@@ -99,8 +102,12 @@ def predicted(plan: Plan, analysis: Analysis, step: Step, options: Options
     bound = PLAIN_ERROR.get(step.platform) if plain_pred >= PLAIN_MIN_BYTES else None
     base: tuple[Figures, Any] | None = None
     tried: list[str] = []
-    groups = _tied(pred, TOP)
     peaks = _RewrittenPeaks(cands, step, analysis.platform)
+    groups = _tied(pred, TOP)
+    if groups and any(peaks.too_large(i) for i in groups[0]):
+        # (the first group is traced to be lowered anyway; the others are sized when
+        # reached, or here when the first lost one: the TOP are counted among those that fit)
+        groups = _tied(pred, TOP, _sized(pred, TOP, peaks))
     if groups and len(groups[0]) > 1 and step.platform in TIES_BY_REWRITTEN:
         groups = _split_tie(groups, peaks)
     with _Compiles(step) as compiles:
@@ -111,13 +118,16 @@ def predicted(plan: Plan, analysis: Analysis, step: Step, options: Options
             compiles.start_plain()
         groups = _first_with(groups, _rewritten_best(pred, peaks))
         for group in groups:
+            group = [i for i in group if not peaks.too_large(i)]
+            if not group:
+                continue
             figs, exes = compiles.results([cands[i] for i in group])
             tried += [f"{cands[i].plan.strategy} {fmt_bytes(f.peak)}"
                       for i, f in zip(group, figs, strict=True)]
             k = lowest(figs)
             c, fig, exe = cands[group[k]], figs[k], exes[k]
             if base is None and bound is not None and fig.peak < plain_pred * (1 - bound):
-                return _kept(c.plan, fig, None, tried, (
+                return _kept(c.plan, fig, None, tried, peaks.skipped, (
                     f"checked against the plain step's predicted peak "
                     f"{fmt_bytes(plain_pred)}: more than {bound:.0%} below it (the cost "
                     "model's error bound on this target), so the plain step was not "
@@ -125,12 +135,12 @@ def predicted(plan: Plan, analysis: Analysis, step: Step, options: Options
             if base is None:
                 base = compiles.plain()
             if fig.peak < base[0].peak:
-                return _kept(c.plan, fig, base[0], tried, (
+                return _kept(c.plan, fig, base[0], tried, peaks.skipped, (
                     f"checked against the plain step's compiled peak "
                     f"{fmt_bytes(base[0].peak)}")), exe
         if base is None:
             base = compiles.plain()
-    return _plain_kept(plan, analysis, base, tried)
+    return _plain_kept(plan, analysis, base, tried, peaks.skipped)
 
 
 class _Compiles:
@@ -178,33 +188,70 @@ class _Compiles:
         return [read(e, c.jitted, self.step.flat) for c, e in zip(cands, exes, strict=True)], exes
 
 
-def _tied(pred: list[int], top: int) -> list[list[int]]:
+def _tied(pred: list[int], top: int, among: list[int] | None = None) -> list[list[int]]:
     """The candidates :func:`.choose.ranked` compiles first (the ``top`` lowest predicted
     peaks, with every one tied with the last of them), lowest first, in groups of equal
     prediction (plans that drop the same values tie in the model, which does not see how
     a plan groups its re-creation: the compiler tells them apart, so a group is compiled
-    together)."""
-    if not pred:
+    together). ``among``: the candidates that may be compiled (None: all)."""
+    idx = list(range(len(pred))) if among is None else list(among)
+    if not idx:
         return []
-    cut = sorted(pred)[min(top, len(pred)) - 1]
+    cut = sorted(pred[i] for i in idx)[min(top, len(idx)) - 1]
     groups: dict[int, list[int]] = {}
-    for i in sorted(range(len(pred)), key=lambda i: (pred[i], i)):
+    for i in sorted(idx, key=lambda i: (pred[i], i)):
         if pred[i] <= cut:
             groups.setdefault(pred[i], []).append(i)
     return list(groups.values())
 
 
+def _sized(pred: list[int], top: int, peaks: _RewrittenPeaks) -> list[int]:
+    """The candidates, best predicted first, whose rewrite is small enough to compile
+    (:func:`~jaxmem.compiling.steps.too_large`), as far as :func:`_tied` reads: until
+    ``top`` fit and the next is predicted above the last of them. Each one looked at is
+    traced (:class:`_RewrittenPeaks`, which notes those left out)."""
+    fit: list[int] = []
+    for i in sorted(range(len(pred)), key=lambda i: (pred[i], i)):
+        if len(fit) >= top and pred[i] > pred[fit[top - 1]]:
+            break
+        if not peaks.too_large(i):
+            fit.append(i)
+    return fit
+
+
 class _RewrittenPeaks:
-    """The peak the liveness model predicts for each candidate's rewritten step
-    (:func:`.choose.rewritten_peak`), analysed once, when first asked for."""
+    """Each candidate's rewritten step, traced when first asked for (JAX caches the trace,
+    so the lowering and the analysis do not trace it again): whether it is too large to
+    compile (:func:`~jaxmem.compiling.steps.too_large`; :attr:`skipped` says why), and the
+    peak the liveness model predicts for it (:func:`.choose.rewritten_peak`, analysed once;
+    None for one too large, or that cannot be traced here). Only the figures are kept, not
+    the traced programs."""
 
     def __init__(self, cands: list[Candidate], step: Step, platform: str):
         self.cands, self.step, self.platform = cands, step, platform
+        self.sizes: dict[int, str | None] = {}
         self.known: dict[int, int | None] = {}
+        self.skipped: list[str] = []
+
+    def _jaxpr(self, i: int) -> Any:
+        try:
+            return self.cands[i].jitted.trace(*self.step.flat).jaxpr
+        except Exception:  # noqa: BLE001 - not ranked; compiled or skipped as before
+            return None
+
+    def too_large(self, i: int) -> bool:
+        if i not in self.sizes:
+            jaxpr = self._jaxpr(i)
+            why = None if jaxpr is None else too_large(jaxpr, len(self.step.program.nodes))
+            if why is not None:
+                self.skipped.append(f"{self.cands[i].plan.strategy}: {why}")
+            self.sizes[i] = why
+        return self.sizes[i] is not None
 
     def __call__(self, i: int) -> int | None:
         if i not in self.known:
-            self.known[i] = choose.rewritten_peak(self.cands[i], self.step, self.platform)
+            self.known[i] = (None if self.too_large(i) else
+                             choose.rewritten_peak(self.cands[i], self.step, self.platform))
         return self.known[i]
 
 
@@ -247,24 +294,24 @@ def _plain(step: Step) -> tuple[Figures, Any]:
     return read(exe, step.plain, step.flat), exe
 
 
-def _kept(plan: Plan, fig: Figures, base: Figures | None, tried: list[str], check: str
-          ) -> Plan:
+def _kept(plan: Plan, fig: Figures, base: Figures | None, tried: list[str],
+          skipped: list[str], check: str) -> Plan:
     """``plan`` with its compiled figures (``base``: the plain step's, when compiled) and
-    the notes of what was compiled; named ``auto: ...`` as :func:`.choose.verified` names
-    its winner."""
+    the notes of what was compiled (and of candidates too large to compile); named
+    ``auto: ...`` as :func:`.choose.verified` names its winner."""
     if plan.strategy != "auto" and not plan.strategy.startswith("auto: "):
         plan = dataclasses.replace(plan, strategy=f"auto: {plan.strategy}")
     note = (f"verify: compiled {len(tried)} candidate plan(s) for "
             f"{fig.platform or 'cpu'}, best predicted first ({'; '.join(tried)}); kept the "
             f"first that passed, {check}")
-    plan = dataclasses.replace(plan, notes=plan.notes + (note,))
+    plan = dataclasses.replace(plan, notes=plan.notes + (note,) + _not_compiled(skipped))
     if base is None:
         return dataclasses.replace(plan, compiled=fig)
     return plan.with_figures(fig, base)
 
 
 def _plain_kept(plan: Plan, analysis: Analysis, base: tuple[Figures, Any],
-                tried: list[str]) -> tuple[Plan, Any]:
+                tried: list[str], skipped: list[str]) -> tuple[Plan, Any]:
     """No candidate passed: the plain step runs, with a warning and a note."""
     none = dataclasses.replace(strategies.plan_none(analysis), donated=plan.donated)
     note = (f"verify: no candidate plan compiled below the plain step's "
@@ -272,5 +319,12 @@ def _plain_kept(plan: Plan, analysis: Analysis, base: tuple[Figures, Any],
             "(verify='builtins' also compiles the built-in policies and more plans; or "
             "try a budget)")
     warnings.warn(f"jaxmem.optimize: {note}", stacklevel=7)
-    return (dataclasses.replace(none, notes=plan.notes + (note,), compiled=base[0],
-                                baseline=base[0]), base[1])
+    return (dataclasses.replace(none, notes=plan.notes + (note,) + _not_compiled(skipped),
+                                compiled=base[0], baseline=base[0]), base[1])
+
+
+def _not_compiled(skipped: list[str]) -> tuple[str, ...]:
+    """The note on the candidates left out as too large to compile (none: no note)."""
+    if not skipped:
+        return ()
+    return (f"verify: not compiled, too large: {'; '.join(skipped)}",)

@@ -131,3 +131,35 @@ def rewrite_key(plan: Plan) -> Any:
     plans equal in it compile to one program."""
     return (plan.recompute, plan.offload, plan.region_depth, plan.keep,
             frozenset(c.residual.value for c in plan.choices), plan.unfenced)
+
+
+#: The most equations a plan's rewrite may have, as a multiple of the step's, to be
+#: compiled: XLA's compile time and host memory grow with the program. BERT-base's
+#: lowest-memory greedy plan at its bench size (seeded with the automatic plan, as the
+#: budget search seeds it) replays chains region by region into 148,318 equations, 18.1x
+#: the step's 8,217, and XLA:GPU's compile of it passed 21 GB of host memory on a 24 GB
+#: machine (unseeded: 30,469 equations and 400 barriers, 3.7x); its block plans, the
+#: search's next stage, are 1.3x. MEDL's automatic plan of the lm1b-width GPT-2 decoder
+#: (``corpus:tx_gpt2_ts`` at size ``lm1b``, H100 target) is 3.3x (12,902 equations): 199 s
+#: to compile, 16x the plain step, to a peak 26% above it. The budget search's own plans
+#: (greedy, exact) and ``verify=True``'s candidates over the limit are not compiled; the
+#: plan's notes say so. None of the 174 candidate plans of the 27 zoo and corpus steps of
+#: ``benchmarks/results/prediction*/plans-*.json`` is over it (the largest 1.94x).
+MAX_REWRITE_GROWTH = 3.0
+
+
+def equations(jaxpr: Any) -> int:
+    """Equations of ``jaxpr``, those of its sub-jaxprs (loop and remat bodies) included."""
+    return sum(1 + sum(map(equations, _jax.sub_jaxprs(eqn))) for eqn in jaxpr.eqns)
+
+
+def too_large(jaxpr: Any, step_equations: int) -> str | None:
+    """Why ``jaxpr`` (a rewrite of a step of ``step_equations`` equations) is not compiled:
+    it has more than :data:`MAX_REWRITE_GROWTH` times as many equations; None when it is
+    not over."""
+    n = equations(jaxpr)
+    if n <= MAX_REWRITE_GROWTH * max(step_equations, 1):
+        return None
+    return (f"its rewrite has {n:,} equations, {n / max(step_equations, 1):.1f}x the step's "
+            f"{step_equations:,} (over MAX_REWRITE_GROWTH={MAX_REWRITE_GROWTH:g}: XLA's "
+            "compile time and host memory grow with the program)")

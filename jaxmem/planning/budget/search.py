@@ -165,9 +165,11 @@ class _Search:
             self.floor = drop & self.model.candidates
             return None, self.requested
         cand = self.tries.check_auto(auto)
-        if cand.peak <= self.requested:
+        if cand is not None and cand.peak <= self.requested:
             return cand, None
         self.floor = drop & self.model.candidates
+        if cand is None:  # too large to compile: as if ruled out
+            return None, self.requested
         return None, self.tries.next_aim(self.requested)
 
     def _ruled_out(self, drop: frozenset[int], off: frozenset[int], what: str) -> bool:

@@ -93,10 +93,14 @@ class Tries:
         the plans compiled; 1.0 when none was under-predicted)."""
         return max([1.0, *self.misses])
 
-    def check_auto(self, auto: Plan) -> Candidate:
-        """Compile MEDL's plan as it is; its point is (predicted peak, compiled peak)."""
+    def check_auto(self, auto: Plan) -> Candidate | None:
+        """Compile MEDL's plan as it is; its point is (predicted peak, compiled peak). None
+        when ``compile_plan`` declines it as too large to compile (noted in
+        :attr:`skipped`)."""
         drop = frozenset(auto.recompute)
-        fig = self.compile_plan(auto)
+        fig = self._compiled(auto, "MEDL's")
+        if fig is None:
+            return None
         self.compiles += 1
         self.lowest = min(self.lowest, fig.peak)
         ev = self.model.evaluate(drop, ())
@@ -106,6 +110,16 @@ class Tries:
         if ev.peak > 0:
             self.misses.append(fig.peak / ev.peak)
         return cand
+
+    def _compiled(self, plan: Plan, source: str) -> Figures | None:
+        """``compile_plan(plan)``; None (noted in :attr:`skipped`) when it declines the plan
+        as too large to compile: the search moves on."""
+        try:
+            return self.compile_plan(plan)
+        except TooLargeToCompile as e:
+            self.skipped.append(f"{source} plan not compiled: {e.note}")
+            debug(f"({source}): not compiled: {e.note}")
+            return None
 
     def check(self, d: frozenset[int], o: frozenset[int], source: str, aim: int
               ) -> Candidate | None:
@@ -121,11 +135,8 @@ class Tries:
             if self.compiles >= self.max_compiles:
                 return None
             plan = plan_from_sets(self.model, d, o, "budget", "budget")
-            try:
-                fig = self.compile_plan(plan)
-            except TooLargeToCompile as e:  # not compiled: the search moves on
-                self.skipped.append(f"{source} plan not compiled: {e.note}")
-                debug(f"({source}): not compiled: {e.note}")
+            fig = self._compiled(plan, source)
+            if fig is None:
                 return None
             self.compiles += 1
             peak, note = self.device_peak(plan, fig)
