@@ -476,3 +476,41 @@ def test_a_loss_jax_checkpoint_cannot_take_skips_the_builtin_candidate():
     notes = opt.plan(ws, x).notes
     assert any(n.startswith("jax.checkpoint(loss, policy=dots_saveable) not compiled: "
                             "TypeError") for n in notes), notes
+
+
+def test_candidates_too_large_to_compile_are_left_out_with_a_note(monkeypatch):
+    """A candidate whose rewrite is over MAX_REWRITE_GROWTH times the step's equations is
+    not compiled by verify=True or verify="builtins" (here the limit is lowered so every
+    rewrite is over it): the built-ins (builtins) or the plain step run, the notes name
+    what was left out, and the results are the plain step's; verify="all" still compiles
+    every candidate."""
+    from jaxmem.compiling import steps
+
+    monkeypatch.setattr(steps, "MAX_REWRITE_GROWTH", 0.5)
+
+    def loss(ws, x):
+        for w in ws:
+            x = jnp.tanh(x @ w) * 2.0
+        return jnp.mean(x ** 2)
+
+    step = jax.value_and_grad(loss)
+    k = jax.random.split(jax.random.key(5), 4)
+    ws = [jax.random.normal(k[i], (64, 64)) * 0.1 for i in range(3)]
+    x = jax.random.normal(k[3], (128, 64))
+    want = jax.jit(step)(ws, x)
+    for verify in ("builtins", True):
+        opt = jaxmem.optimize(step, donate_argnums=(), verify=verify)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # verify=True: "kept the plain step"
+            got = opt(ws, x)
+        for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+        plan = opt.plan(ws, x)
+        assert any("not compiled" in n and "its rewrite has" in n for n in plan.notes), \
+            (verify, plan.notes)
+        assert not plan.recompute, (verify, plan.strategy)  # no rewrite of jaxmem's runs
+        if verify is True:
+            assert any("no candidate plan compiled (each one too large" in n
+                       for n in plan.notes), plan.notes
+    plan = jaxmem.optimize(step, donate_argnums=(), verify="all").plan(ws, x)
+    assert not any("its rewrite has" in n for n in plan.notes), plan.notes

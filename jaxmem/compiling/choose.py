@@ -26,7 +26,7 @@ from jaxmem.analyzing.liveness import liveness
 from jaxmem.compiling import quick_compile
 from jaxmem.compiling.background import cancellable
 from jaxmem.compiling.options import Options
-from jaxmem.compiling.steps import Step, read
+from jaxmem.compiling.steps import Step, read, too_large
 from jaxmem.planning import lower_peaks, strategies
 from jaxmem.planning.plan import Plan
 from jaxmem.rewriting.scans import bodies_only
@@ -79,6 +79,9 @@ def verified(plan: Plan, analysis: Analysis, step: Step, options: Options) -> tu
     """
     cands = rewrite_candidates(plan, analysis, step, options)
     builtins, skipped = builtin_candidates(analysis, step, plan.donated)
+    if options.verify != "all":  # "all" compiles every candidate, whatever its size
+        cands, too_big = sized(cands, step)
+        skipped = too_big + skipped
     first, rest = (cands, []) if options.verify == "all" else ranked(cands, analysis)
     first, rest = with_rewritten_best(first, rest, step, analysis.platform)
     base, compiled = compile_candidates(step, first + builtins)
@@ -97,6 +100,26 @@ def verified(plan: Plan, analysis: Analysis, step: Step, options: Options) -> tu
         return _hinted(_kept(best, base.figures, [label[id(c)] for c in first + builtins],
                              skipped, step), analysis, cap)
     return _hinted(_plain_kept(plan, analysis, best.figures, base, skipped), analysis, cap)
+
+
+def sized(cands: list[Candidate], step: Step) -> tuple[list[Candidate], tuple[str, ...]]:
+    """``cands`` less those whose rewrite has more than
+    :data:`~jaxmem.compiling.steps.MAX_REWRITE_GROWTH` times the step's equations
+    (:func:`~jaxmem.compiling.steps.too_large`: not worth their compile time and host
+    memory), and a note naming each one left out. A candidate that cannot be traced here
+    stays in (its compile says why)."""
+    keep: list[Candidate] = []
+    notes: list[str] = []
+    for c in cands:
+        try:
+            why = too_large(c.jitted.trace(*step.flat).jaxpr, len(step.program.nodes))
+        except Exception:  # noqa: BLE001 - compiled as before; the compile says why
+            why = None
+        if why is None:
+            keep.append(c)
+        else:
+            notes.append(f"{c.plan.strategy} not compiled: {why}")
+    return keep, tuple(notes)
 
 
 def _hinted(chosen: tuple[Plan, Any], analysis: Analysis, cap: float) -> tuple[Plan, Any]:

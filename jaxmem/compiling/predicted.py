@@ -314,10 +314,11 @@ def _plain_kept(plan: Plan, analysis: Analysis, base: tuple[Figures, Any],
                 tried: list[str], skipped: list[str]) -> tuple[Plan, Any]:
     """No candidate passed: the plain step runs, with a warning and a note."""
     none = dataclasses.replace(strategies.plan_none(analysis), donated=plan.donated)
-    note = (f"verify: no candidate plan compiled below the plain step's "
-            f"{fmt_bytes(base[0].peak)} ({'; '.join(tried)}): kept the plain step "
-            "(verify='builtins' also compiles the built-in policies and more plans; or "
-            "try a budget)")
+    what = (f"no candidate plan compiled below the plain step's {fmt_bytes(base[0].peak)} "
+            f"({'; '.join(tried)})" if tried else
+            "no candidate plan compiled (each one too large to compile)")
+    note = (f"verify: {what}: kept the plain step (verify='builtins' also compiles the "
+            "built-in policies and more plans; or try a budget)")
     warnings.warn(f"jaxmem.optimize: {note}", stacklevel=7)
     return (dataclasses.replace(none, notes=plan.notes + (note,) + _not_compiled(skipped),
                                 compiled=base[0], baseline=base[0]), base[1])
