@@ -1,6 +1,7 @@
 """Why a candidate's predicted peak is off: jaxmem's live set at its peak beside XLA's.
 
-``python -m benchmarks.prediction_why MODEL CANDIDATE [--size bench] [--target cpu]``
+``python -m benchmarks.prediction_why MODEL CANDIDATE [--size bench] [--target cpu]`` (MODEL: a
+zoo model, or ``corpus:NAME``, an entry of :mod:`benchmarks.external.corpus`)
 lists ``MODEL``'s candidates as ``jaxmem.optimize``'s ``verify`` would compile them (read
 where they are handed to the compiler; none of the others is compiled), compiles the one
 whose name starts with ``CANDIDATE`` with XLA's dumps on (``--xla_dump_to``, set before JAX
@@ -126,11 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     from jaxmem.program import from_jaxpr
 
     import jaxmem
-    from benchmarks import zoo
+    from benchmarks import prediction_plans
     from jaxmem.compiling.steps import read
     from jaxmem.xla import measure
 
-    w = zoo.make(a.model, size=a.size, abstract=True)
+    w = prediction_plans.workload(a.model, a.size, a.target)  # zoo, or corpus:NAME
     step, cands = _candidates(w, a.target)
     pick = [c for c in cands if c.plan.strategy.startswith(a.candidate)]
     if not pick:
