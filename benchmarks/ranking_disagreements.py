@@ -54,7 +54,8 @@ from typing import Any
 
 import numpy as np
 
-TIE = 0.01  # compiled peaks closer than this are a tie, as in benchmarks.prediction_plans
+from benchmarks.prediction_plans import TIE  # compiled peaks closer than this are a tie
+
 CAUSES = ("tied", "fused", "rewritten", "compiler")
 
 
@@ -78,20 +79,22 @@ class FusedFree:
         m = self.model
         drop, off = frozenset(drop) | self.fused, frozenset(off)
         states = m.states(drop, off)
-        alive = m.alive_bytes(drop, off, states)
-        trans = np.zeros_like(alive)
-        for i, s in states.items():
-            trans[i] = s.transient
-        return max(int(alive[0]), int((alive + trans).max()))
+        return m.raw_peak(m.alive_bytes(drop, off, states), states)
 
     def peak(self, drop: Iterable[int] = (), off: Iterable[int] = ()) -> int:
         return int(self.base + self.kappa * self.raw(drop, off))
 
 
+def apart(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether rows ``a`` and ``b`` compiled more than :data:`TIE` apart (a pair to
+    order)."""
+    return abs(a["compiled"] - b["compiled"]) > TIE * max(a["compiled"], b["compiled"])
+
+
 def cause(a: dict[str, Any], b: dict[str, Any]) -> str | None:
     """Why the ``model`` figures of rows ``a`` and ``b`` order them unlike their
     ``compiled`` peaks (None: they agree, or the compiled peaks tie within :data:`TIE`)."""
-    if abs(a["compiled"] - b["compiled"]) <= TIE * max(a["compiled"], b["compiled"]):
+    if not apart(a, b):
         return None
 
     def right(key: str) -> bool:
@@ -179,9 +182,7 @@ def step(entry: dict[str, Any]) -> dict[str, Any]:
                           "model": [a["model"], b["model"]],
                           "fused": [a["fused"], b["fused"]],
                           "rewritten": [a["rewritten"], b["rewritten"]]})
-    n_pairs = sum(1 for a, b in combinations(rows, 2)
-                  if abs(a["compiled"] - b["compiled"])
-                  > TIE * max(a["compiled"], b["compiled"]))
+    n_pairs = sum(apart(a, b) for a, b in combinations(rows, 2))
 
     def mean_err(key: str) -> float:
         return round(100 * float(np.mean([abs(r[key] / r["compiled"] - 1) for r in rows

@@ -98,10 +98,8 @@ def _run(monkeypatch, compiled: dict[str, int], plain_predicted: int = 100,
 
     monkeypatch.setattr(predicted, "_Compiles", Compiles)
     monkeypatch.setattr(predicted, "_plain", compile_plain)
-    monkeypatch.setattr(predicted._RewrittenPeaks, "_jaxpr",  # the "trace": its name
-                        lambda self, i: self.cands[i].plan.strategy)
-    monkeypatch.setattr(predicted, "too_large", lambda jaxpr, n: (
-        "too large (test)" if jaxpr in too_large else None))
+    monkeypatch.setattr(choose, "rewrite_too_large", lambda c, step: (
+        "too large (test)" if c.plan.strategy in too_large else None))
     _run.skipped = []
 
     def kept(plan, fig, base, tried, skipped, check):
@@ -115,7 +113,7 @@ def _run(monkeypatch, compiled: dict[str, int], plain_predicted: int = 100,
     monkeypatch.setattr(predicted, "_kept", kept)
     monkeypatch.setattr(predicted, "_plain_kept", plain_kept)
     analysis = SimpleNamespace(peak_bytes=plain_predicted, platform=platform)
-    step = SimpleNamespace(platform=platform, program=SimpleNamespace(nodes=[]))
+    step = SimpleNamespace(platform=platform)
     options = SimpleNamespace(max_recompute_fraction=0.05)
     _run.events = events
     return order, predicted.predicted(SimpleNamespace(donated=(0,)), analysis, step, options)

@@ -261,11 +261,17 @@ class CostModel:
                 by_last[self.last_region(v, sregs.get(v, ()))] += b
         return np.cumsum(by_last[::-1])[::-1]
 
-    def peak_of(self, alive: np.ndarray, states: dict[int, RegionState]) -> int:
+    def raw_peak(self, alive: np.ndarray, states: dict[int, RegionState]) -> int:
+        """Model bytes at the worst backward region (unscaled): the stored values still
+        needed there (``alive``, :meth:`alive_bytes`) and its recompute working set; at
+        least everything stored across the forward/backward boundary."""
         trans = np.zeros_like(alive)
         for i, s in states.items():
             trans[i] = s.transient
-        return self.scale(max(int(alive[0]), int((alive + trans).max())))
+        return max(int(alive[0]), int((alive + trans).max()))
+
+    def peak_of(self, alive: np.ndarray, states: dict[int, RegionState]) -> int:
+        return self.scale(self.raw_peak(alive, states))
 
     def _stored(self, drop: Any, off: Any, states: dict[int, RegionState]) -> int:
         return int(self.alive_bytes(drop, off, states)[0])

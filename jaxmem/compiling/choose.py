@@ -111,15 +111,23 @@ def sized(cands: list[Candidate], step: Step) -> tuple[list[Candidate], tuple[st
     keep: list[Candidate] = []
     notes: list[str] = []
     for c in cands:
-        try:
-            why = too_large(c.jitted.trace(*step.flat).jaxpr, len(step.program.nodes))
-        except Exception:  # noqa: BLE001 - compiled as before; the compile says why
-            why = None
+        why = rewrite_too_large(c, step)
         if why is None:
             keep.append(c)
         else:
             notes.append(f"{c.plan.strategy} not compiled: {why}")
     return keep, tuple(notes)
+
+
+def rewrite_too_large(cand: Candidate, step: Step) -> str | None:
+    """Why ``cand``'s rewrite of ``step`` is too large to compile
+    (:func:`~jaxmem.compiling.steps.too_large`, on its trace, which JAX caches for the
+    lowering); None when it is not, or when it cannot be traced here (its compile says
+    why)."""
+    try:
+        return too_large(cand.jitted.trace(*step.flat).jaxpr, len(step.program.nodes))
+    except Exception:  # noqa: BLE001 - compiled as before; the compile says why
+        return None
 
 
 def _hinted(chosen: tuple[Plan, Any], analysis: Analysis, cap: float) -> tuple[Plan, Any]:

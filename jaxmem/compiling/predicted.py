@@ -46,7 +46,7 @@ from jaxmem.analyzing.costmodel import CostModel
 from jaxmem.compiling import choose, quick_compile
 from jaxmem.compiling.choose import TOP, Candidate, rewrite_candidates
 from jaxmem.compiling.options import Options
-from jaxmem.compiling.steps import Step, read, too_large
+from jaxmem.compiling.steps import Step, read
 from jaxmem.planning import strategies
 from jaxmem.planning.plan import Plan
 from jaxmem.xla import measure
@@ -222,7 +222,7 @@ def _sized(pred: list[int], top: int, peaks: _RewrittenPeaks) -> list[int]:
 class _RewrittenPeaks:
     """Each candidate's rewritten step, traced when first asked for (JAX caches the trace,
     so the lowering and the analysis do not trace it again): whether it is too large to
-    compile (:func:`~jaxmem.compiling.steps.too_large`; :attr:`skipped` says why), and the
+    compile (:func:`.choose.rewrite_too_large`; :attr:`skipped` says why), and the
     peak the liveness model predicts for it (:func:`.choose.rewritten_peak`, analysed once;
     None for one too large, or that cannot be traced here). Only the figures are kept, not
     the traced programs."""
@@ -233,16 +233,9 @@ class _RewrittenPeaks:
         self.known: dict[int, int | None] = {}
         self.skipped: list[str] = []
 
-    def _jaxpr(self, i: int) -> Any:
-        try:
-            return self.cands[i].jitted.trace(*self.step.flat).jaxpr
-        except Exception:  # noqa: BLE001 - not ranked; compiled or skipped as before
-            return None
-
     def too_large(self, i: int) -> bool:
         if i not in self.sizes:
-            jaxpr = self._jaxpr(i)
-            why = None if jaxpr is None else too_large(jaxpr, len(self.step.program.nodes))
+            why = choose.rewrite_too_large(self.cands[i], self.step)
             if why is not None:
                 self.skipped.append(f"{self.cands[i].plan.strategy}: {why}")
             self.sizes[i] = why
