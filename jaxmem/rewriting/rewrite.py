@@ -33,7 +33,7 @@ from jaxmem import _jax
 from jaxmem.analyzing.analysis import find_residuals
 from jaxmem.analyzing.chains import backward_regions, chain_start, is_anchor, replay_chain
 from jaxmem.planning.plan import Plan
-from jaxmem.rewriting.settle import Orderings
+from jaxmem.rewriting.settle import Orderings, cotangent_ties, narrowest
 from jaxmem.rewriting.substitutes import substitute_for
 from jaxmem.tracing.primitives import CHEAP
 from jaxmem.tracing.program import Node, Program, region_of
@@ -119,16 +119,9 @@ class _Replay:
         return val.producer is not None and self.p.nodes[val.producer].phase == "forward"
 
     def tie(self, n: Node, env: dict[int, Any]) -> list[Any]:
-        """The values a barrier ties re-created or fetched values to: ``n``'s inputs made in
-        the backward pass (its cotangents).
-
-        Forward values are never tied: a barrier operand must be materialised, and a value
-        XLA would otherwise re-derive in place (a broadcast zero of a ReLU's derivative, an
-        iota) would be kept as a whole buffer from the forward pass to this region.
-        """
-        return [env[v] for v in dict.fromkeys(n.inputs)
-                if (u := self.p.values[v].producer) is not None
-                and self.p.nodes[u].phase == "backward" and v not in self.p.constant_derived]
+        """The values a barrier ties re-created or fetched values to: ``n``'s cotangents,
+        each as narrow as it comes (:func:`~jaxmem.rewriting.settle.cotangent_ties`)."""
+        return [env[v] for v in cotangent_ties(self.p, n)]
 
     def run(self, *flat_args: Any) -> list[Any]:
         p = self.p
@@ -184,7 +177,8 @@ class _Replay:
                         host[o] = jax.device_put(x, _jax.host_space())
             order.made(n)
             if n.phase == "backward" and outs:
-                last_backward = [outs[0]]
+                # what a region reading no cotangent ties to, as narrow as it comes
+                last_backward = [env[v] for v in narrowest(p, n.outputs[0], True)]
         return [env[v] for v in p.outputs]
 
     def prefetch(self, n: Node, env: dict[int, Any], host: dict[int, Any],
@@ -263,10 +257,19 @@ class _Replay:
             n = self.p.nodes[self.p.values[v].producer]
             with _jax.user_context(n.eqn.source_info.traceback, n.stack):
                 cache[v] = local[v] = jax.device_put(x, _jax.device_space())
+        # A node ordered after the barrier by another value it reads (re-created here, or
+        # fetched) reads the anchors themselves: XLA writes no result into a barrier
+        # operand's buffer (a logits-sized gradient re-created from the logits: +1 buffer).
+        barriered = frozenset(anchors) if tie and operands else frozenset()
+        ordered = set(fetch) if tie and operands else set()
         for i in nodes:
             n = self.p.nodes[i]
-            ins = [local[v] if v in local else env[v] for v in n.inputs]
+            after = any(v in ordered for v in n.inputs)
+            ins = [env[v] if after and v in barriered else local[v] if v in local else env[v]
+                   for v in n.inputs]
             outs = self.emit(n, ins)
+            if after or any(v in barriered for v in n.inputs):
+                ordered.update(n.outputs)
             for o, x in zip(n.outputs, outs, strict=True):
                 local[o] = x
                 # Block regions re-run a block once: later readers in the region reuse
