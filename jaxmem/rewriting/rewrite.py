@@ -257,19 +257,10 @@ class _Replay:
             n = self.p.nodes[self.p.values[v].producer]
             with _jax.user_context(n.eqn.source_info.traceback, n.stack):
                 cache[v] = local[v] = jax.device_put(x, _jax.device_space())
-        # A node ordered after the barrier by another value it reads (re-created here, or
-        # fetched) reads the anchors themselves: XLA writes no result into a barrier
-        # operand's buffer (a logits-sized gradient re-created from the logits: +1 buffer).
-        barriered = frozenset(anchors) if tie and operands else frozenset()
-        ordered = set(fetch) if tie and operands else set()
         for i in nodes:
             n = self.p.nodes[i]
-            after = any(v in ordered for v in n.inputs)
-            ins = [env[v] if after and v in barriered else local[v] if v in local else env[v]
-                   for v in n.inputs]
+            ins = [local[v] if v in local else env[v] for v in n.inputs]
             outs = self.emit(n, ins)
-            if after or any(v in barriered for v in n.inputs):
-                ordered.update(n.outputs)
             for o, x in zip(n.outputs, outs, strict=True):
                 local[o] = x
                 # Block regions re-run a block once: later readers in the region reuse
