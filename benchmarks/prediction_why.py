@@ -5,7 +5,8 @@ zoo model, or ``corpus:NAME``, an entry of :mod:`benchmarks.external.corpus`)
 lists ``MODEL``'s candidates as ``jaxmem.optimize``'s ``verify`` would compile them (read
 where they are handed to the compiler; none of the others is compiled), compiles the one
 whose name starts with ``CANDIDATE`` with XLA's dumps on (``--xla_dump_to``, set before JAX
-starts), and prints
+starts), and prints (``CANDIDATE`` ``all``: compiles the plain step and every candidate and
+prints each compiled peak, nothing else)
 
 - jaxmem's prediction of that candidate's jaxpr: the values live at its predicted peak, by
   primitive and phase (the liveness model of :mod:`jaxmem.analyzing.liveness` without its
@@ -112,17 +113,19 @@ def _candidates(w: Any, target: str) -> tuple[Any, list[Any]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
-    ap.add_argument("candidate", help="the start of the candidate's name (as --plans lists)")
+    ap.add_argument("candidate", help="the start of the candidate's name (as --plans lists), "
+                    "or 'all': compile every candidate and print its peak, no dumps")
     ap.add_argument("--size", default="bench")
     ap.add_argument("--target", default="cpu")
     ap.add_argument("--dump", type=Path, default=Path("/tmp/jaxmem-why"))
     ap.add_argument("--top", type=int, default=12)
     a = ap.parse_args(argv)
-    if "jax" in sys.modules:
+    if "jax" in sys.modules and a.candidate != "all":
         raise SystemExit("run as python -m benchmarks.prediction_why (XLA's dump flags)")
-    a.dump.mkdir(parents=True, exist_ok=True)
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + f" --xla_dump_to={a.dump} --xla_dump_hlo_as_text").strip()
+    if a.candidate != "all":
+        a.dump.mkdir(parents=True, exist_ok=True)
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + f" --xla_dump_to={a.dump} --xla_dump_hlo_as_text").strip()
     os.environ.setdefault("JAXMEM_COMPILE_THREADS", "1")
     from jaxmem.program import from_jaxpr
 
@@ -133,6 +136,12 @@ def main(argv: list[str] | None = None) -> int:
 
     w = prediction_plans.workload(a.model, a.size, a.target)  # zoo, or corpus:NAME
     step, cands = _candidates(w, a.target)
+    if a.candidate == "all":  # every candidate's compiled peak, the plain step's first
+        for name, jitted in [("plain", step.plain)] + [(c.plan.strategy, c.jitted)
+                                                       for c in cands]:
+            fig = read(measure.compile(jitted.lower(*step.flat)), jitted, step.flat)
+            print(f"{name:55s} {fig.peak / 2**20:10.2f} MiB", flush=True)
+        return 0
     pick = [c for c in cands if c.plan.strategy.startswith(a.candidate)]
     if not pick:
         raise SystemExit(f"no candidate {a.candidate!r}; there are "

@@ -72,3 +72,14 @@ def test_fused_free_peak_is_the_plain_peak_when_everything_is_kept_and_drops_low
     assert ff.fused and ff.fused <= model.activations   # 1 - tanh², fused into its reader
     assert ff.peak(ff.fused) == ff.peak()           # dropping them changes nothing stored
     assert model.evaluate(ff.fused).peak < model.evaluate().peak  # where the model's did
+
+
+def test_prediction_why_all_prints_every_candidates_compiled_peak(capsys):
+    """``prediction_why MODEL all``: the plain step's compiled peak and each candidate's,
+    one line each (no XLA dumps, so it runs in a process that has JAX already)."""
+    from benchmarks import prediction_why
+
+    assert prediction_why.main(["mlp", "all", "--size", "test"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.endswith(" MiB")]
+    assert lines[0].startswith("plain ") and len(lines) >= 3
+    assert all(float(ln.split()[-2]) > 0 for ln in lines)
