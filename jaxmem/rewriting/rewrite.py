@@ -118,10 +118,16 @@ class _Replay:
             return False
         return val.producer is not None and self.p.nodes[val.producer].phase == "forward"
 
-    def tie(self, n: Node, env: dict[int, Any]) -> list[Any]:
+    def tie(self, n: Node, env: dict[int, Any], last: int | None) -> list[Any]:
         """The values a barrier ties re-created or fetched values to: ``n``'s cotangents,
-        each as narrow as it comes (:func:`~jaxmem.rewriting.settle.cotangent_ties`)."""
-        return [env[v] for v in cotangent_ties(self.p, n)]
+        each as narrow as it comes (:func:`~jaxmem.rewriting.settle.cotangent_ties`); where
+        ``n`` reads none, the last backward value made (``last``), as narrow as it comes
+        (:func:`~jaxmem.rewriting.settle.narrowest`, the loss's seed followed to its
+        scalar), or nothing before the first."""
+        tie = cotangent_ties(self.p, n)
+        if not tie and last is not None:
+            tie = narrowest(self.p, last, True)
+        return [env[v] for v in tie]
 
     def run(self, *flat_args: Any) -> list[Any]:
         p = self.p
@@ -136,11 +142,11 @@ class _Replay:
         cache: dict[int, Any] = {}
         reused: dict[int, Any] = {}      # reuse: re-created copies later regions read too
         fetched: dict[tuple[int, int], Any] = {}  # (run, value) -> prefetched device copy
-        last_backward: list[Any] = []
+        last: int | None = None  # the last backward value made
         order = self.orderings.fresh()  # this trace's ties for the accelerators' schedulers
         for n in p.nodes:
             if n.index in self.ahead:
-                self.prefetch(n, env, host, fetched, last_backward)
+                self.prefetch(n, env, host, fetched, last)
             needs = [v for v in n.inputs if v in self.recompute or v in self.offload]
             if n.index in self.opens:
                 region, cache = region_of(n, self.depth), dict(reused)
@@ -154,7 +160,7 @@ class _Replay:
                 for (r, v), x in fetched.items():
                     if r == run and v not in cache:
                         cache[v] = x
-                tie = self.tie(n, env) or last_backward
+                tie = self.tie(n, env, last)
                 self.materialise([v for v in dict.fromkeys(needs) if v not in cache],
                                  env, host, cache, tie)
                 if self.reuse:
@@ -177,18 +183,17 @@ class _Replay:
                         host[o] = jax.device_put(x, _jax.host_space())
             order.made(n)
             if n.phase == "backward" and outs:
-                # what a region reading no cotangent ties to, as narrow as it comes
-                last_backward = [env[v] for v in narrowest(p, n.outputs[0], True)]
+                last = n.outputs[0]
         return [env[v] for v in p.outputs]
 
     def prefetch(self, n: Node, env: dict[int, Any], host: dict[int, Any],
-                 fetched: dict[tuple[int, int], Any], last_backward: list[Any]) -> None:
+                 fetched: dict[tuple[int, int], Any], last: int | None) -> None:
         """Fetch the offloaded values the next backward run reads, at the start of this one,
         tied to this run's cotangents (so the copy overlaps this run's compute)."""
         vs = [v for v in self.ahead[n.index] if v in host]
         if not vs:
             return
-        tie = self.tie(n, env) or last_backward
+        tie = self.tie(n, env, last)
         operands = [host[v] for v in vs]
         if tie:
             operands, _ = lax.optimization_barrier((operands, list(tie)))

@@ -229,16 +229,19 @@ def narrowest(program: Program, v: int, constants: bool = False) -> list[int]:
     cotangent). Values derived from constants alone are followed only with ``constants``
     (a region that reads no cotangent yet ties to the loss's seed, or nothing keeps XLA
     from merging its re-created values with the forward originals)."""
-    node = program.nodes[program.values[v].producer]
-    if node.kind not in CHEAP:
-        return [v]
-    ins = [w for w in dict.fromkeys(node.inputs)
-           if (u := program.values[w].producer) is not None
-           and program.nodes[u].phase == "backward"
-           and (constants or w not in program.constant_derived)]
-    if not ins:
-        return [v]
-    below = list(dict.fromkeys(x for w in ins for x in narrowest(program, w, constants)))
-    if sum(program.values[x].nbytes for x in below) < program.values[v].nbytes:
-        return below
-    return [v]
+    memo: dict[int, list[int]] = {}  # a backward pass's cheap nodes share inputs
+
+    def walk(x: int) -> list[int]:
+        if x not in memo:
+            node = program.nodes[program.values[x].producer]
+            ins = [w for w in dict.fromkeys(node.inputs)
+                   if (u := program.values[w].producer) is not None
+                   and program.nodes[u].phase == "backward"
+                   and (constants or w not in program.constant_derived)]
+            below = list(dict.fromkeys(y for w in ins for y in walk(w))) \
+                if node.kind in CHEAP and ins else []
+            memo[x] = below if below and sum(program.values[y].nbytes for y in below) \
+                < program.values[x].nbytes else [x]
+        return memo[x]
+
+    return walk(v)
