@@ -6,8 +6,8 @@ decoder reads no cotangent but the loss's seed, broadcast over the vocabulary (d
 constants alone); the barrier tied to that broadcast, and XLA materialised a ``[batch,
 sequence, vocabulary]`` float32 buffer it otherwise fuses into its readers (transformers'
 Flax GPT-2 at flax's lm1b width, vocabulary 30k: 468.75 MiB; every plan compiled 13% to
-26% above the plain step on the H100 target). Ties now follow cheap backward nodes down
-to the narrowest cotangents (:func:`jaxmem.rewriting.settle.narrowest`).
+26% above the plain step on the H100 target). Such a tie now follows cheap backward nodes
+down to the narrowest values (:func:`jaxmem.rewriting.settle.narrowest`).
 
 These tests check the ties on a small LM head, that the values do not change, and the memory
 relation on the H100 target (compile only); both fail on the rewrite before the change.
@@ -61,19 +61,19 @@ def _rewritten():
 
 
 def test_barriers_tie_no_vocabulary_wide_broadcast_and_values_are_jits():
-    """The re-created values are tied to the cotangents a softmax's derivative is broadcast
-    from (``[B, S, 1]``, or the loss's seed), not to their broadcast (or its convert) over
-    the vocabulary; the logits and their gradient (a matmul's operand) pass as they are."""
+    """The loss region's re-created one-hot labels are tied to the loss's seed, not to its
+    float32 broadcast over the vocabulary (derived from constants alone, no barrier operand
+    is a vocabulary-wide broadcast); the values are jit's."""
     prog, args, fn = _rewritten()
     flat = jax.tree.leaves(args)
     jaxpr = jax.make_jaxpr(fn)(*flat).jaxpr
     made = {v: e.primitive.name for e in jaxpr.eqns for v in e.outvars}
     operands = [v for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"
                 for v in e.invars if v in made]
-    assert operands  # the re-created softmax is still behind a barrier
-    widened = [v for v in operands if v.aval.shape[-1:] == (V,)
-               and made[v] in ("broadcast_in_dim", "convert_element_type")]
-    assert not widened
+    assert operands  # the re-created values are still behind barriers
+    broadcasts = [v for v in operands
+                  if v.aval.shape[-1:] == (V,) and made[v] == "broadcast_in_dim"]
+    assert not broadcasts
     want = jax.jit(_step)(*args)
     got = jax.tree.unflatten(prog.out_tree, jax.jit(fn)(*flat))
     chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-6)

@@ -119,14 +119,14 @@ class _Replay:
         return val.producer is not None and self.p.nodes[val.producer].phase == "forward"
 
     def tie(self, n: Node, env: dict[int, Any], last: int | None) -> list[Any]:
-        """The values a barrier ties re-created or fetched values to: ``n``'s cotangents,
-        each as narrow as it comes (:func:`~jaxmem.rewriting.settle.cotangent_ties`); where
-        ``n`` reads none, the last backward value made (``last``), as narrow as it comes
+        """The values a barrier ties re-created or fetched values to: ``n``'s cotangents
+        (:func:`~jaxmem.rewriting.settle.cotangent_ties`); where ``n`` reads none, the
+        last backward value made (``last``), as narrow as it comes
         (:func:`~jaxmem.rewriting.settle.narrowest`, the loss's seed followed to its
         scalar), or nothing before the first."""
         tie = cotangent_ties(self.p, n)
         if not tie and last is not None:
-            tie = narrowest(self.p, last, True)
+            tie = narrowest(self.p, last)
         return [env[v] for v in tie]
 
     def run(self, *flat_args: Any) -> list[Any]:
