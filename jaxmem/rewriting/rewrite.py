@@ -33,7 +33,7 @@ from jaxmem import _jax
 from jaxmem.analyzing.analysis import find_residuals
 from jaxmem.analyzing.chains import backward_regions, chain_start, is_anchor, replay_chain
 from jaxmem.planning.plan import Plan
-from jaxmem.rewriting.settle import Orderings, cotangent_ties, narrowest
+from jaxmem.rewriting.settle import Orderings, beside_barrier, cotangent_ties, narrowest
 from jaxmem.rewriting.substitutes import substitute_for
 from jaxmem.tracing.primitives import CHEAP
 from jaxmem.tracing.program import Node, Program, region_of
@@ -262,9 +262,13 @@ class _Replay:
             n = self.p.nodes[self.p.values[v].producer]
             with _jax.user_context(n.eqn.source_info.traceback, n.stack):
                 cache[v] = local[v] = jax.device_put(x, _jax.device_space())
+        # Matmul outputs are read beside the barrier where it orders the node already.
+        beside = beside_barrier(self.p, nodes, anchors, fetch) if tie and operands else {}
         for i in nodes:
             n = self.p.nodes[i]
-            ins = [local[v] if v in local else env[v] for v in n.inputs]
+            raw = beside.get(i, frozenset())
+            ins = [env[v] if v in raw else local[v] if v in local else env[v]
+                   for v in n.inputs]
             outs = self.emit(n, ins)
             for o, x in zip(n.outputs, outs, strict=True):
                 local[o] = x

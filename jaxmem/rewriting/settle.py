@@ -27,7 +27,10 @@ For the same reason a rewrite region that reads no cotangent ties its re-created
 the narrowest values that stand for the last backward value made (:func:`narrowest`): the
 loss's seed cotangent broadcast over a 30k vocabulary, tied itself, was a 468.75 MiB
 float32 buffer XLA otherwise fuses into its readers (transformers' GPT-2 at flax's lm1b
-width, H100 target).
+width, H100 target); a region's cotangent that is a broadcast of a narrower one is tied
+through that one (:func:`cotangent_ties`); and a re-created node already ordered after its
+region's barrier reads matmul outputs beside it (:func:`beside_barrier`), so that XLA may
+write their gradient into their buffer.
 :class:`Orderings` applies all three as the rewrite replays a program; the rewrite does so
 only where the arguments are not on the CPU (XLA:CPU strips host placement and keeps the
 program's order: there the ties change no figure).
@@ -44,8 +47,8 @@ from jaxmem.analyzing.chains import backward_regions
 from jaxmem.tracing.primitives import CHEAP
 from jaxmem.tracing.program import Node, Program, region_of
 
-__all__ = ["Orderings", "cotangent_ties", "fence_finished", "finished_values",
-           "narrowest", "settle_copies",
+__all__ = ["BESIDE", "EXPANSIONS", "Orderings", "beside_barrier", "cotangent_ties",
+           "expanded_from", "fence_finished", "finished_values", "narrowest", "settle_copies",
            "settle_outputs"]
 
 
@@ -209,18 +212,82 @@ def _tie(program: Program, n: Node, ins: list[Any], extra: list[Any]
 
 def cotangent_ties(program: Program, n: Node) -> list[int]:
     """What a barrier before backward node ``n`` ties re-created values to: ``n``'s inputs
-    made in the backward pass (its cotangents).
+    made in the backward pass (its cotangents), each followed through the broadcasts,
+    converts and reshapes that made it from one narrower backward value
+    (:func:`expanded_from`).
 
     Forward values are never tied: a barrier operand must be materialised, and a value
     XLA would otherwise re-derive in place (a broadcast zero of a ReLU's derivative, an
-    iota) would be kept as a whole buffer from the forward pass to this region. Narrowing
-    these ties as :func:`narrowest` does (a broadcast cotangent tied through its
-    ``[batch, sequence, 1]`` source) took the zoo GPT's and Llama's MEDL plans 2-4% lower
-    on the H100 target but the corpus' ``eqx_bn_cnn`` plans 4-14% higher: not done.
+    iota) would be kept as a whole buffer from the forward pass to this region. For the
+    same reason a cotangent that is only an expansion of a narrower one is tied through
+    that one: it is ready exactly when its source is, so the order is the same, and XLA
+    fuses the expansion into its readers instead of materialising it (a softmax
+    cross-entropy's cotangent broadcast over a 30k vocabulary and converted to bfloat16:
+    a 234.38 MiB buffer on transformers' GPT-2 at flax's lm1b width, H100 target; MEDL's
+    plans of a one-layer copy 766.42 -> 584.07 MiB). Following any cheap node to
+    narrower inputs (:func:`narrowest`) took the zoo GPT's and Llama's MEDL plans 2-4%
+    lower but the corpus' ``eqx_bn_cnn`` plans 4-14% higher: not done.
     """
-    return [v for v in dict.fromkeys(n.inputs)
-            if (u := program.values[v].producer) is not None
-            and program.nodes[u].phase == "backward" and v not in program.constant_derived]
+    return list(dict.fromkeys(
+        x for v in dict.fromkeys(n.inputs)
+        if (u := program.values[v].producer) is not None
+        and program.nodes[u].phase == "backward" and v not in program.constant_derived
+        for x in expanded_from(program, v)))
+
+
+#: Primitives that only widen, retype or reshape one value: XLA fuses them into readers.
+EXPANSIONS: frozenset[str] = frozenset({
+    "broadcast_in_dim", "convert_element_type", "reshape", "expand_dims", "squeeze"})
+
+
+def expanded_from(program: Program, v: int) -> list[int]:
+    """``[v]``, or where a chain of :data:`EXPANSIONS` made backward value ``v`` from one
+    backward value of fewer bytes (not derived from constants alone), ``[that value]``."""
+    x = v
+    while (node := program.nodes[program.values[x].producer]).primitive in EXPANSIONS:
+        ins = [w for w in dict.fromkeys(node.inputs)
+               if (u := program.values[w].producer) is not None
+               and program.nodes[u].phase == "backward" and w not in program.constant_derived]
+        if len(ins) != 1:
+            break
+        x = ins[0]
+    return [x] if program.values[x].nbytes < program.values[v].nbytes else [v]
+
+
+#: Producers of the anchors a re-created node reads beside its region's barrier once
+#: another of its inputs orders it after that barrier (:func:`beside_barrier`).
+BESIDE: frozenset[str] = frozenset({"dot_general"})
+
+
+def beside_barrier(program: Program, nodes: list[int], anchors: list[int],
+                   fetched: list[int]) -> dict[int, frozenset[int]]:
+    """Per re-created node of ``nodes`` (a region's chain, in order), the anchors it reads
+    directly rather than through the region's barrier (which ``anchors`` and ``fetched``
+    pass): those made by :data:`BESIDE` primitives, where another input already orders the
+    node after the barrier (a value that passed it, or one made from such); a node with no
+    such input reads the first of them through the barrier and the rest directly.
+
+    XLA writes no result into the buffer of a barrier operand read through the barrier: a
+    re-created softmax reading the logits so took a second logits-sized buffer for their
+    gradient (transformers' GPT-2 at flax's lm1b width, H100 target: 234.38 MiB; a
+    one-layer copy's selective plan 734.98 -> 563.18 MiB). Read directly, the values are
+    the same and the order is kept. Convolution outputs are left behind the barrier: read
+    directly they took the zoo ResNet's MEDL plan 7.6% higher on the H100 target.
+    """
+    beside = {a for a in anchors
+              if (u := program.values[a].producer) is not None
+              and program.nodes[u].primitive in BESIDE}
+    ordered = set(fetched) | (set(anchors) - beside)
+    out: dict[int, frozenset[int]] = {}
+    for i in nodes:
+        n = program.nodes[i]
+        mine = [v for v in dict.fromkeys(n.inputs) if v in beside]
+        after = any(v in ordered for v in n.inputs if v not in beside)
+        if mine:
+            out[i] = frozenset(mine if after else mine[1:])
+        if after or mine:
+            ordered.update(n.outputs)
+    return out
 
 
 def narrowest(program: Program, v: int) -> list[int]:
