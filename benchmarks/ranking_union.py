@@ -13,7 +13,9 @@ and says, per step, how far above the best compiled plan the best of each first 
   (:mod:`jaxmem.compiling.predicted`): the plans tied at the cost model's lowest (on a
   target in ``TIES_BY_REWRITTEN``: the one of them whose rewritten step is lowest), and the
   rewritten step's lowest among the plans the model puts within
-  :data:`~jaxmem.compiling.predicted.REWRITTEN_WITHIN` of its lowest; its column is also
+  :data:`~jaxmem.compiling.predicted.REWRITTEN_WITHIN` of its lowest, and that of the
+  others where it is more than :data:`~jaxmem.compiling.predicted.REWRITTEN_OVERRULES`
+  below those; its column is also
   against every compiled candidate, the built-ins and the plain step included (``all``).
 
 Run::
@@ -31,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import jaxmem
-from jaxmem.compiling.predicted import REWRITTEN_WITHIN, TIES_BY_REWRITTEN
+from jaxmem.compiling.predicted import REWRITTEN_OVERRULES, REWRITTEN_WITHIN, TIES_BY_REWRITTEN
 
 
 def first(rows: list[dict[str, Any]], key: str, k: int) -> list[dict[str, Any]]:
@@ -55,7 +57,8 @@ def default(rows: list[dict[str, Any]], target: str = "cpu") -> list[dict[str, A
     """What ``verify=True`` compiles first: the rows tied at the lowest ``model`` figure
     (on a target in ``TIES_BY_REWRITTEN``, only the one of them with the lowest
     ``rewritten`` figure), and the lowest ``rewritten`` among those within
-    ``REWRITTEN_WITHIN`` of it."""
+    ``REWRITTEN_WITHIN`` of it, and of the others where it is more than
+    ``REWRITTEN_OVERRULES`` below them."""
     tied = first(rows, "model", 1)
     if not tied:
         return []
@@ -65,6 +68,10 @@ def default(rows: list[dict[str, Any]], target: str = "cpu") -> list[dict[str, A
     near = [r for r in rows if r.get("model") is not None
             and r["model"] <= tied[0]["model"] * (1 + REWRITTEN_WITHIN)]
     best = first(near, "rewritten", 1)[:1]
+    ours = [r["rewritten"] for r in tied + best if r.get("rewritten") is not None]
+    far = first([r for r in rows if all(r is not n for n in near)], "rewritten", 1)[:1]
+    if ours and far and far[0]["rewritten"] < min(ours) * (1 - REWRITTEN_OVERRULES):
+        best += far
     return list({id(r): r for r in tied + best}.values())
 
 

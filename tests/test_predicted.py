@@ -200,21 +200,39 @@ def test_the_rewritten_steps_best_is_compiled_with_the_first_group(monkeypatch):
     order, _ = _run(monkeypatch, dict(a=60, b=120, c=130, d=110),
                     rewritten=dict(a=90, b=70, c=65, d=66))
     assert order == ["b+c", "plain", "d"]
-    assert predicted._first_with([[1], [3], [2]], 2) == [[1, 2], [3]]
-    assert predicted._first_with([[1], [3]], None) == [[1], [3]]
+    assert predicted._first_with([[1], [3], [2]], [2]) == [[1, 2], [3]]
+    assert predicted._first_with([[1], [3], [2]], [2, 3]) == [[1, 2, 3]]
+    assert predicted._first_with([[1], [3]], []) == [[1], [3]]
 
 
-def test_only_plans_predicted_near_the_lowest_have_their_rewritten_step_analysed(
+def test_plans_predicted_near_the_lowest_have_their_rewritten_step_analysed_first(
         monkeypatch):
-    """``REWRITTEN_WITHIN``: a candidate the model predicts more than that above its
-    lowest is not traced and analysed as a rewritten step (seconds each at a real width),
-    so it cannot join the first group that way."""
+    """``REWRITTEN_WITHIN``: the candidates the model predicts within that of its lowest
+    are analysed as rewritten steps first, and the rewritten lowest of them joins the
+    first group."""
     order, ((name, _, _), _) = _run(monkeypatch, dict(a=60, b=80, c=70, d=75),
                                     predictions=(100, 40, 43, 60),
-                                    rewritten=dict(a=55, b=70, c=65, d=66), within=0.10)
+                                    rewritten=dict(a=64, b=70, c=65, d=66), within=0.10)
     analysed = [e.split()[1] for e in _run.events if e.startswith("analysed")]
-    assert analysed == ["b", "c"], _run.events
+    assert analysed[:2] == ["b", "c"], _run.events
     assert order == ["b+c"] and name == "c"   # c: within 10% of b, the rewritten lowest
+
+
+def test_a_far_plan_joins_where_its_rewritten_step_is_well_below(monkeypatch):
+    """``REWRITTEN_OVERRULES``: the rewritten lowest of the candidates the model puts
+    further up (analysed after the near ones) joins the first group only where it is
+    predicted more than that below each plan there (the lm1b decoder's ``selective``)."""
+    kw = dict(predictions=(100, 40, 43, 60), within=0.10)
+    # "a": 15% below "c" (the first group's rewritten lowest): joins, and runs
+    order, ((name, _, _), _) = _run(monkeypatch, dict(a=60, b=80, c=70, d=75),
+                                    rewritten=dict(a=55, b=70, c=65, d=66), **kw)
+    analysed = [e.split()[1] for e in _run.events if e.startswith("analysed")]
+    assert analysed[:2] == ["b", "c"] and set(analysed) == set("abcd"), _run.events
+    assert order == ["b+c+a"] and name == "a"
+    # 3% below: left to a later group (here never compiled: "c" passes)
+    order, ((name, _, _), _) = _run(monkeypatch, dict(a=60, b=80, c=70, d=75),
+                                    rewritten=dict(a=63, b=70, c=65, d=66), **kw)
+    assert order == ["b+c"] and name == "c"
 
 
 def test_the_first_group_compiles_while_the_rewritten_steps_are_analysed(monkeypatch):
