@@ -69,7 +69,8 @@ def default(rows: list[dict[str, Any]], target: str = "cpu") -> list[dict[str, A
             and r["model"] <= tied[0]["model"] * (1 + REWRITTEN_WITHIN)]
     best = first(near, "rewritten", 1)[:1]
     ours = [r["rewritten"] for r in tied + best if r.get("rewritten") is not None]
-    far = first([r for r in rows if all(r is not n for n in near)], "rewritten", 1)[:1]
+    near_ids = {id(r) for r in near}
+    far = first([r for r in rows if id(r) not in near_ids], "rewritten", 1)[:1]
     if ours and far and far[0]["rewritten"] < min(ours) * (1 - REWRITTEN_OVERRULES):
         best += far
     return list({id(r): r for r in tied + best}.values())

@@ -274,8 +274,7 @@ def _rewritten_best(pred: list[int], peaks: _RewrittenPeaks, first: list[int]) -
     known = [(p, i) for i in near if (p := peaks(i)) is not None]
     out = [min(known)[1]] if known else []
     ours = [p for i in dict.fromkeys(first + out) if (p := peaks(i)) is not None]
-    far = [(p, i) for i in range(len(pred))
-           if i not in near and not peaks.too_large(i) and (p := peaks(i)) is not None]
+    far = [(p, i) for i in range(len(pred)) if i not in near and (p := peaks(i)) is not None]
     if ours and far and min(far)[0] < min(ours) * (1 - REWRITTEN_OVERRULES):
         out.append(min(far)[1])
     return out

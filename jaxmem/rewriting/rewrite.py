@@ -267,8 +267,7 @@ class _Replay:
         for i in nodes:
             n = self.p.nodes[i]
             raw = beside.get(i, frozenset())
-            ins = [env[v] if v in raw else local[v] if v in local else env[v]
-                   for v in n.inputs]
+            ins = [local[v] if v in local and v not in raw else env[v] for v in n.inputs]
             outs = self.emit(n, ins)
             for o, x in zip(n.outputs, outs, strict=True):
                 local[o] = x

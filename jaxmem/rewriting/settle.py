@@ -228,11 +228,19 @@ def cotangent_ties(program: Program, n: Node) -> list[int]:
     narrower inputs (:func:`narrowest`) took the zoo GPT's and Llama's MEDL plans 2-4%
     lower but the corpus' ``eqx_bn_cnn`` plans 4-14% higher: not done.
     """
-    return list(dict.fromkeys(
-        x for v in dict.fromkeys(n.inputs)
-        if (u := program.values[v].producer) is not None
-        and program.nodes[u].phase == "backward" and v not in program.constant_derived
-        for x in expanded_from(program, v)))
+    return list(dict.fromkeys(x for v in dict.fromkeys(n.inputs) if _cotangent(program, v)
+                              for x in expanded_from(program, v)))
+
+
+def _backward(program: Program, v: int) -> bool:
+    """Whether value ``v`` is made in the backward pass."""
+    u = program.values[v].producer
+    return u is not None and program.nodes[u].phase == "backward"
+
+
+def _cotangent(program: Program, v: int) -> bool:
+    """Whether value ``v`` is made in the backward pass from more than constants."""
+    return _backward(program, v) and v not in program.constant_derived
 
 
 #: Primitives that only widen, retype or reshape one value: XLA fuses them into readers.
@@ -245,9 +253,7 @@ def expanded_from(program: Program, v: int) -> list[int]:
     backward value of fewer bytes (not derived from constants alone), ``[that value]``."""
     x = v
     while (node := program.nodes[program.values[x].producer]).primitive in EXPANSIONS:
-        ins = [w for w in dict.fromkeys(node.inputs)
-               if (u := program.values[w].producer) is not None
-               and program.nodes[u].phase == "backward" and w not in program.constant_derived]
+        ins = [w for w in dict.fromkeys(node.inputs) if _cotangent(program, w)]
         if len(ins) != 1:
             break
         x = ins[0]
@@ -303,9 +309,7 @@ def narrowest(program: Program, v: int) -> list[int]:
     def walk(x: int) -> list[int]:
         if x not in memo:
             node = program.nodes[program.values[x].producer]
-            ins = [w for w in dict.fromkeys(node.inputs)
-                   if (u := program.values[w].producer) is not None
-                   and program.nodes[u].phase == "backward"]
+            ins = [w for w in dict.fromkeys(node.inputs) if _backward(program, w)]
             below = list(dict.fromkeys(y for w in ins for y in walk(w))) \
                 if node.kind in CHEAP and ins else []
             memo[x] = below if below and sum(program.values[y].nbytes for y in below) \
