@@ -27,7 +27,12 @@ that process alone, and the same before the step was decorated: the model built)
 number of XLA compiles (``jax.monitoring``'s ``/jax/core/compile/backend_compile_duration``
 events, every compile JAX or jaxmem asks for, with their seconds) and of
 ``jaxmem.xla.measure.compile`` calls (jaxmem's own: the candidates, the budget search, the
-winner compiled in full).
+winner compiled in full). All three are read when the first call returns, before the
+report (``step.plan``) is asked for: where ``verify=True`` checked its plan against the
+plain step's predicted peak, ``step.plan`` compiles the plain step for the plan's
+``baseline``, and that compile is not the first call's (results before 2026-12-06 counted
+it, one compile and its host memory more than the first call had; ``background``: the
+compiles after the first call are not counted now).
 
 ``--target h100`` (any :mod:`jaxmem.targets` name) places the arguments on that target's
 topology devices and times the first call's work up to its executable, compile-only
@@ -113,6 +118,13 @@ except Exception as e:
     err = f"{type(e).__name__}: {e}"[:300]
 t1, c1 = time.perf_counter(), cpu()
 rec = {"seconds": t1 - t0, "cpu_seconds": c1 - c0}
+# ru_maxrss: the process's high-water mark, KiB on Linux (the model built: rss_before).
+# Read, with the compile counts, before the report below: step.plan() compiles the plain
+# step for the plan's baseline where the first call did not need it (verify=True checked
+# against its predicted peak), and that compile is not the first call's.
+rec.update(max_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+           rss_before_mib=rss0 / 1024, xla_compiles=xla["n"] - n0,
+           xla_compile_seconds=xla["s"] - s0, jaxmem_compiles=calls["n"])
 if err:
     rec.update(error=err, verified_seconds=t1 - t0)
 elif mode != "plain":  # until the verified plan is in place (background: step.plan waits)
@@ -120,12 +132,8 @@ elif mode != "plain":  # until the verified plan is in place (background: step.p
     rec.update(verified_seconds=time.perf_counter() - t0, strategy=plan.strategy,
                peak=plan.compiled.peak if plan.compiled else None,
                flops=plan.compiled.flops if plan.compiled else None)
-# ru_maxrss: the process's high-water mark, KiB on Linux (the model built: rss_before)
 if peak is not None:
     rec.update(peak=peak)
-rec.update(max_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-           rss_before_mib=rss0 / 1024, xla_compiles=xla["n"] - n0,
-           xla_compile_seconds=xla["s"] - s0, jaxmem_compiles=calls["n"])
 print(json.dumps(rec))
 """
 
