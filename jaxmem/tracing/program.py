@@ -221,6 +221,21 @@ def _jaxpr_cost(jaxpr: Any) -> tuple[P.Kind, float]:
 
 # --- flattening ---------------------------------------------------------------------------
 
+#: ``str`` of each dtype met (numpy's ``dtype.__str__`` is slow: it was a sixth of
+#: :func:`from_jaxpr`'s time on the rewritten steps ``verify`` analyses).
+_DTYPE_NAMES: dict[Any, str] = {}
+
+
+def _dtype_name(dtype: Any) -> str:
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        name = _DTYPE_NAMES[dtype] = str(dtype)
+        return name
+    except TypeError:  # unhashable
+        return str(dtype)
+
+
 class _Builder:
     def __init__(self) -> None:
         self.values: list[Value] = []
@@ -231,7 +246,8 @@ class _Builder:
         vid = len(self.values)
         space = _jax.aval_memory_space(aval)
         self.values.append(Value(
-            id=vid, shape=tuple(getattr(aval, "shape", ())), dtype=str(getattr(aval, "dtype", "")),
+            id=vid, shape=tuple(getattr(aval, "shape", ())),
+            dtype=_dtype_name(getattr(aval, "dtype", "")),
             nbytes=P.nbytes(aval), producer=producer, aval=aval,
             memory_space=None if space is None else str(space), **kw))
         return vid
@@ -278,7 +294,9 @@ class _Builder:
             fl = P.flops(name, in_avals, out_avals, eqn.params)
             if kind is P.Kind.UNKNOWN:
                 self.unknown[name] = None
-        moved = sum(P.nbytes(a) for a in in_avals) + sum(P.nbytes(a) for a in out_avals)
+        # each value's bytes were worked out with it (P.nbytes of its aval)
+        moved = (sum(self.values[i].nbytes for i in ins)
+                 + sum(self.values[o].nbytes for o in outs))
         self.nodes.append(Node(
             index=index, primitive=name, inputs=tuple(ins), outputs=tuple(outs), kind=kind,
             phase=phase_of(stack), layer=layer_of(stack), flops=float(fl),
