@@ -15,6 +15,11 @@ Usage::
     python -m benchmarks.compile_phases --model transformer --size bench --target h100
 
 Writes ``benchmarks/results/compile_phases-<target>-<model>-<size>.json`` and ``.md``.
+
+``--strip-barriers``: the same programs with every ``optimization_barrier`` the rewrite
+emits made the identity (written with ``-nobarriers`` in the name): how much of a plan's
+compile time is the recomputation the barriers keep apart from the forward pass (without
+them XLA's CSE folds it back, and the peaks fall to the plain step's).
 """
 
 from __future__ import annotations
@@ -45,6 +50,16 @@ from jaxmem.xla import measure
 from benchmarks.workload import load
 model, size, target = sys.argv[1:4]
 MARK = sys.argv[4]
+if sys.argv[5] == "strip":  # every optimization_barrier the rewrite emits is the identity
+    from jax import lax as _lax
+    import jaxmem.rewriting.rewrite as _rewrite, jaxmem.rewriting.settle as _settle
+    class _NoBarriers:
+        def __getattr__(self, name):
+            return getattr(_lax, name)
+        @staticmethod
+        def optimization_barrier(x):
+            return x
+    _rewrite.lax = _settle.lax = _NoBarriers()
 w = load(model, size, target)
 state, batch = w.state, w.batch
 got = {}
@@ -97,13 +112,14 @@ def timers(log: str) -> list[dict[str, float]]:
     return out
 
 
-def run(model: str, size: str, target: str) -> list[dict[str, Any]]:
+def run(model: str, size: str, target: str, strip: bool = False) -> list[dict[str, Any]]:
     """Each program's record (a fresh process for the whole step)."""
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
                PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE=VMODULE)
     if target != "cpu":
         env.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-    r = subprocess.run([sys.executable, "-c", _CHILD, model, size, target, MARK], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-c", _CHILD, model, size, target, MARK,
+                        "strip" if strip else "keep"], cwd=ROOT,
                        env=env, capture_output=True, text=True)
     if r.returncode:
         raise RuntimeError(r.stderr[-2000:])
@@ -148,8 +164,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--model", default="transformer")
     ap.add_argument("--size", default="bench")
     ap.add_argument("--target", default="h100")
+    ap.add_argument("--strip-barriers", action="store_true",
+                    help="compile each rewrite with its optimization_barriers made the "
+                         "identity (a diagnosis: what the barriers' kept recomputation costs "
+                         "in compile time; the peaks are not the plans')")
     args = ap.parse_args(argv)
-    rows = run(args.model, args.size, args.target)
+    rows = run(args.model, args.size, args.target, args.strip_barriers)
     import jax
     meta = {"command": "python -m benchmarks.compile_phases " + " ".join(
                 sys.argv[1:] if argv is None else argv),
@@ -157,7 +177,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "git_commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT,
                                          capture_output=True, text=True).stdout.strip(),
             "cpus": os.cpu_count()}
-    stem = f"compile_phases-{args.target}-{args.model.replace(':', '-')}-{args.size}"
+    stem = (f"compile_phases-{args.target}-{args.model.replace(':', '-')}-{args.size}"
+            + ("-nobarriers" if args.strip_barriers else ""))
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2)
                                       + "\n")
