@@ -729,3 +729,46 @@ def test_a_ranked_search_that_cannot_fit_does_not_compile_greedys_lowest_when_it
     near, seen_near, low_near = run(1.1)  # where it may go lower, it is compiled
     assert "greedy's lowest plan not compiled" not in near
     assert len(seen_near) > len(seen_far) and low_near < low_far
+
+
+def test_a_scan_body_policy_that_fits_runs_the_executable_its_search_compiled(monkeypatch):
+    """Issue 37, the compile that checks is the compile that runs: where a budget's scan-body
+    policy fits alone, the first call runs the executable the body search compiled for it
+    (the plain step and the candidates the search compiled, nothing more), and the plan's
+    report has its figures and the plain step's without a compile. Same results as
+    ``jax.jit``."""
+    from tests._compiles import count_compiles
+    from tests.test_scans import _mlp_args, _mlp_stack_step
+
+    calls = count_compiles(monkeypatch)
+    args = _mlp_args()
+    opt = jaxmem.optimize(_mlp_stack_step, budget=0.6, donate_argnums=())
+    (new, loss) = opt(*args)
+    first = len(calls)
+    plan = opt.plan(*args)
+    assert len(calls) == first  # the report compiled nothing
+    assert plan.strategy == "budget: scan body"
+    head = next(n for n in plan.notes if n.startswith("scan bodies: policy"))
+    n_compiled = int(head.rsplit(", ", 1)[1].split()[0])  # "..., K candidates traced, N compiled)"
+    assert first == 1 + n_compiled  # the plain step and the candidates: no recompile to run
+    assert plan.compiled.peak <= plan.budget < plan.baseline.peak
+    ref, loss_ref = jax.jit(_mlp_stack_step)(*args)
+    np.testing.assert_allclose(loss, loss_ref, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_a_kept_executable_is_only_reused_for_the_same_program():
+    """``scan_budget.Kept.same``: the program's text decides, donation included (another
+    donation is another program, with other figures)."""
+    from jaxmem.compiling.scan_budget import Kept, program_key
+
+    def f(x, y):
+        return x * 2 + y
+
+    flat = [jnp.ones((4, 4)), jnp.ones((4, 4))]
+    lowered = jax.jit(f).lower(*flat)
+    kept = Kept(None, program_key(lowered), measure.figures(lowered.compile()))
+    assert kept.same(jax.jit(f), flat)
+    assert not kept.same(jax.jit(f, donate_argnums=0), flat)
+    assert not kept.same(jax.jit(lambda x, y: x * 3 + y), flat)

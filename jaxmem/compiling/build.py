@@ -118,6 +118,8 @@ def _runnable(options: Options, step: steps.Step, traced: Traced,
                and traced.body is None and not plan.inner and not plan.loss_policy)
     jitted = step.plain if nothing else step.running(plan, traced.body)
     if not made.stream_state:
+        if compiled is None:
+            compiled, plan = _body_executable(jitted, step.flat, traced.body, plan)
         return jitted, plan, compiled, ()
     jitted, info = step.streamed(jitted, options.offload_state, made.stream_state)
     if info is None:
@@ -130,6 +132,17 @@ def _runnable(options: Options, step: steps.Step, traced: Traced,
     elif plan.budget is not None:
         streamed = _streamed_within(jitted, step.flat, info, plan.budget)
     return jitted, plan, streamed, info.inputs
+
+
+def _body_executable(jitted: Any, flat: Any, body: Any, plan: Plan) -> tuple[Any, Plan]:
+    """The executable a budget's scan-body search compiled for the policy that fits alone
+    (:func:`jaxmem.compiling.scan_budget.choose_for`), and ``plan`` with its figures and
+    the plain step's, where ``jitted`` lowers to that very program; else ``(None, plan)``
+    (the first call compiles it)."""
+    kept = getattr(body, "executable", None)
+    if kept is None or not kept.same(jitted, flat):
+        return None, plan
+    return kept.executable, plan.with_figures(kept.figures, body.plain and body.plain.figures)
 
 
 def _streamed_within(jitted: Any, flat: Any, info: Any, budget: int) -> Any:

@@ -96,6 +96,14 @@ class _Compiles:
             self._plain = (exe, read(exe, plain, flat))
         return self._plain[1]
 
+    def seed_plain(self, kept: Any) -> None:
+        """Take ``kept`` (a :class:`~jaxmem.compiling.scan_budget.Kept` with its
+        executable) as the plain step's compile, where the plain step, not streamed, lowers
+        to that very program."""
+        if (kept is not None and kept.executable is not None and self.stream is None
+                and self._plain is None and kept.same(self.step.plain, self.step.flat)):
+            self._plain = (kept.executable, kept.figures)
+
     def exe_for(self, p: Plan) -> Any:
         """The executable compiled for ``p`` (the plain step's when it drops nothing)."""
         if p.recompute or p.offload:
@@ -191,6 +199,8 @@ def _within_budget(options: Options, analysis: Analysis, step: Step, auto: Plan,
     info = options.offload_state and state_offload.preview(
         program, step.args, options.offload_state, flat)
     compiles = {0: _Compiles(step)}  # by the state's groups in flight (0: not streamed)
+    # the plain step the scan-body search compiled (the same program): not compiled again
+    compiles[0].seed_plain(getattr(body, "plain", None))
     profile = _budget_profile(options.budget, flat)
 
     def search(budget: Any, window: int) -> Plan:

@@ -17,9 +17,10 @@ budget search plans the outside too, from the lowest-peak body policy).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -32,7 +33,27 @@ from jaxmem.tracing.program import Program
 from jaxmem.xla import measure, targets
 from jaxmem.xla.measure import Figures, fmt_bytes
 
-__all__ = ["BodyCandidate", "BodyChoice", "auto_choice", "choose", "choose_for", "estimate"]
+__all__ = ["BodyCandidate", "BodyChoice", "Kept", "auto_choice", "choose", "choose_for",
+           "estimate"]
+
+
+class Kept(NamedTuple):
+    """An executable :func:`choose_for` compiled, kept for the step that runs: reused only
+    where that step lowers to the same program (:meth:`same`)."""
+
+    executable: Any
+    key: str  # :func:`program_key` of its lowering
+    figures: Figures
+
+    def same(self, jitted: Any, flat: Sequence[Any]) -> bool:
+        """Whether ``jitted`` on ``flat`` lowers to the program this executable is of."""
+        return program_key(jitted.lower(*flat)) == self.key
+
+
+def program_key(lowered: Any) -> str:
+    """A key of a lowered program: its text (shardings and donation are in it). Two
+    lowerings with one key, on the same arguments, compile to the same executable."""
+    return hashlib.sha256(lowered.as_text().encode()).hexdigest()
 
 @dataclasses.dataclass(frozen=True)
 class BodyCandidate:
@@ -81,6 +102,11 @@ class BodyChoice:
     budget: int
     fits: bool
     profile: str | None = None
+    # The chosen candidate's executable where it fits (the step that runs it need not be
+    # compiled again), and the plain step's (the baseline; where nothing fits, the budget
+    # search's plain step): issue 37's "the compile that checks is the compile that runs".
+    executable: Kept | None = dataclasses.field(default=None, repr=False, compare=False)
+    plain: Kept | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def policy(self) -> BodyPolicy:
@@ -234,13 +260,29 @@ def choose_for(opt: Any, fn: Callable[..., Any], dyn_args: tuple[Any, ...],
             entries[policy.name] = sub._prepare(dyn_args, kwargs)[0]  # noqa: SLF001
         return entries[policy.name]
 
-    def compiled(policy: BodyPolicy) -> Figures:
-        return _figures(entry(policy).jitted, flat)
+    def kept(jitted: Any) -> Kept:
+        lowered = jitted.lower(*flat)
+        exe = measure.compile(lowered)
+        return Kept(exe, program_key(lowered), measure.compiled_figures(
+            exe, jitted, flat, platform=targets.platform_of(flat) or jax.default_backend()))
 
     # The plain step (same donation) is what a fractional budget is a fraction of.
     first = _dominated(cands)[0].policy
-    budget = resolve_budget(opt.budget, _figures(entry(first).plain, flat).peak)
-    return choose(cands, compiled, budget, profile=profile_of(flat))
+    plain = kept(entry(first).plain)
+    budget = resolve_budget(opt.budget, plain.figures.peak)
+    fitting: list[Kept] = []  # the last candidate compiled that fits: the bisection's best
+
+    def compiled(policy: BodyPolicy) -> Figures:
+        k = kept(entry(policy).jitted)
+        if k.figures.peak <= budget:
+            fitting[:] = [k]  # one executable held at a time, besides the plain step's
+        return k.figures
+
+    choice = choose(cands, compiled, budget, profile=profile_of(flat))
+    if choice.fits and fitting and fitting[0].figures == choice.chosen.compiled:
+        return dataclasses.replace(choice, executable=fitting[0],
+                                   plain=plain._replace(executable=None))
+    return dataclasses.replace(choice, plain=plain)  # the budget search compiles it no more
 
 
 def _kinds(flat: Sequence[Any]) -> tuple[str, ...]:
