@@ -34,7 +34,7 @@ from jaxmem.xla import measure, targets
 from jaxmem.xla.measure import Figures, fmt_bytes
 
 __all__ = ["BodyCandidate", "BodyChoice", "Kept", "auto_choice", "choose", "choose_for",
-           "estimate"]
+           "estimate", "program_key"]
 
 
 class Kept(NamedTuple):
