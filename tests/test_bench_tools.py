@@ -83,3 +83,40 @@ def test_prediction_why_all_prints_every_candidates_compiled_peak(capsys):
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.endswith(" MiB")]
     assert lines[0].startswith("plain ") and len(lines) >= 3
     assert all(float(ln.split()[-2]) > 0 for ln in lines)
+
+
+def test_suite_compiles_logs_every_compile_of_a_pytest_run(tmp_path):
+    """``-p benchmarks.suite_compiles`` with ``JAXMEM_COMPILE_LOG`` set logs each XLA
+    compile of a test process with its test; the report counts a program compiled again
+    (here: the same jitted function with a fresh cache, in a second test of the module)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from benchmarks import suite_compiles
+
+    (tmp_path / "test_two.py").write_text(
+        "import jax, jax.numpy as jnp\n"
+        "def f(x):\n    return jnp.sin(x) * 2\n"
+        "def test_a():\n    jax.jit(f)(jnp.ones(3))\n"
+        "def test_b():\n    jax.clear_caches(); jax.jit(f)(jnp.ones(3))\n"
+        "    jax.jit(f)(jnp.ones(4))\n")
+    log = tmp_path / "log"
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, JAXMEM_COMPILE_LOG=str(log), PYTHONPATH=str(root),
+               JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "-p", "benchmarks.suite_compiles", "test_two.py"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = [json.loads(line) for f in log.glob("*.jsonl") for line in f.read_text().splitlines()]
+    mine = [x for x in rows if x["test"] and x["test"].startswith("test_two.py::")]
+    by_test = {t: [x["key"] for x in mine if x["test"] == t]
+               for t in ("test_two.py::test_a", "test_two.py::test_b")}
+    assert len(by_test["test_two.py::test_a"]) >= 1
+    assert by_test["test_two.py::test_a"][-1] in by_test["test_two.py::test_b"]  # again
+    assert len(set(by_test["test_two.py::test_b"])) >= 2  # another shape: another program
+    report = suite_compiles.summary(rows)
+    assert f"{len(rows)} compiles" in report and "test_two.py::test_b" in report
