@@ -76,15 +76,18 @@ def rewritten_steps(model: str, size: str, target: str) -> None:
     w = load(model, size, target)
     got = {}
 
+    class Captured(BaseException):  # not an Exception: no fallback in jaxmem catches it
+        pass
+
     def captured(plan, analysis, step, options):  # the candidates, before any compile
         got.update(step=step, cands=choose.rewrite_candidates(plan, analysis, step, options))
-        raise KeyboardInterrupt
+        raise Captured
 
     real = predicted.rewrite_candidates
     predicted.rewrite_candidates = captured
     try:
         jaxmem.optimize(w.step).lower(w.state, w.batch)
-    except KeyboardInterrupt:
+    except Captured:
         pass
     finally:
         predicted.rewrite_candidates = real

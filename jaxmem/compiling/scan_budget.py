@@ -27,6 +27,7 @@ import jax
 from jaxmem.analyzing.analysis import from_program
 from jaxmem.analyzing.costmodel import DeviceProfile
 from jaxmem.compiling.signature import profile_of
+from jaxmem.compiling.steps import figures, read
 from jaxmem.planning.budget.units import resolve_budget
 from jaxmem.rewriting.scans import BodyPolicy, BodyValue, body_values, candidates
 from jaxmem.tracing.program import Program
@@ -221,13 +222,6 @@ def _merge(cands: Sequence[BodyCandidate], done: dict[str, BodyCandidate]
     return tuple(done.get(c.policy.name, c) for c in cands)
 
 
-def _figures(jitted: Any, flat: Sequence[Any]) -> Figures:
-    """Compiled figures of ``jitted`` the jaxmem way, for the arguments' target."""
-    platform = targets.platform_of(flat) or jax.default_backend()
-    return measure.compiled_figures(measure.compile(jitted.lower(*flat)), jitted, flat,
-                                    platform=platform)
-
-
 def choose_for(opt: Any, fn: Callable[..., Any], dyn_args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> BodyChoice | None:
     """The body policy for ``opt`` (an :class:`~jaxmem.optimized.Optimized` with a budget)
@@ -263,24 +257,24 @@ def choose_for(opt: Any, fn: Callable[..., Any], dyn_args: tuple[Any, ...],
     def kept(jitted: Any) -> Kept:
         lowered = jitted.lower(*flat)
         exe = measure.compile(lowered)
-        return Kept(exe, program_key(lowered), measure.compiled_figures(
-            exe, jitted, flat, platform=targets.platform_of(flat) or jax.default_backend()))
+        return Kept(exe, program_key(lowered), read(exe, jitted, flat))
 
     # The plain step (same donation) is what a fractional budget is a fraction of.
     first = _dominated(cands)[0].policy
     plain = kept(entry(first).plain)
     budget = resolve_budget(opt.budget, plain.figures.peak)
-    fitting: list[Kept] = []  # the last candidate compiled that fits: the bisection's best
+    fitting: dict[str, Kept] = {}  # the last candidate compiled that fits: the bisection's best
 
     def compiled(policy: BodyPolicy) -> Figures:
         k = kept(entry(policy).jitted)
         if k.figures.peak <= budget:
-            fitting[:] = [k]  # one executable held at a time, besides the plain step's
+            fitting.clear()  # one executable held at a time, besides the plain step's
+            fitting[policy.name] = k
         return k.figures
 
     choice = choose(cands, compiled, budget, profile=profile_of(flat))
-    if choice.fits and fitting and fitting[0].figures == choice.chosen.compiled:
-        return dataclasses.replace(choice, executable=fitting[0],
+    if choice.fits and choice.policy.name in fitting:
+        return dataclasses.replace(choice, executable=fitting[choice.policy.name],
                                    plain=plain._replace(executable=None))
     return dataclasses.replace(choice, plain=plain)  # the budget search compiles it no more
 
@@ -345,8 +339,8 @@ def auto_choice(opt: Any, fn: Callable[..., Any], dyn_args: tuple[Any, ...],
             sub = type(opt)(fn, strategy=opt.strategy, donate_argnums=opt.donate_argnums,
                             max_recompute_fraction=0.0, verify=False, remat_scans=c.policy,
                             **opt.jit_kwargs)
-            peaks[c.policy.name] = _figures(sub._prepare(dyn_args, kwargs)[0].jitted,  # noqa: SLF001
-                                            flat).peak
+            peaks[c.policy.name] = figures(sub._prepare(dyn_args, kwargs)[0].jitted,  # noqa: SLF001
+                                           flat).peak
         if peaks[lean.policy.name] < peaks["utility"]:
             chosen = lean
         notes = (f"scan bodies: policy {chosen.policy.name!r} (compiled beside MEDL's rule: "
