@@ -20,6 +20,7 @@ default's earlier name, for results recorded before the change.
 
 ``budget``: an empty plan cache directory and ``budget=--budget`` (default 0.5: the budget
 search's compiles; a budget no plan meets raises ``BudgetError``, recorded as ``error``);
+``budget_warm``: the same budget again on the directory the ``budget`` run filled;
 ``budget_exhaustive``: the same with ``Budget(--budget, search="exhaustive")``, the budget
 search before issue 37 ranked it (MEDL's plan and every block plan compiled).
 Each process also records its peak host memory (``ru_maxrss``, the high-water mark of
@@ -160,7 +161,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="cpu (run the first call), or a jaxmem.targets name such as h100: "
                          "compile-only, the first call's work up to its executable")
     ap.add_argument("--modes", default=",".join(MODES),
-                    help=f"which of {','.join(MODES)} (warm needs cold)")
+                    help=f"which of {','.join(MODES)} (warm needs cold, budget_warm "
+                         "needs budget)")
     args = ap.parse_args(argv)
     modes = [m for m in MODES if m in args.modes.split(",")]
     runs: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
@@ -176,6 +178,9 @@ def main(argv: list[str] | None = None) -> dict:
                 with tempfile.TemporaryDirectory() as d:
                     runs[m].append(_run(m, args.model, args.size, d, args.budget,
                                         args.target))
+                    if m == "budget" and "budget_warm" in runs:  # the directory it filled
+                        runs["budget_warm"].append(_run(m, args.model, args.size, d,
+                                                        args.budget, args.target))
     result = _summary(args, runs, load)
     name = args.model.replace(":", "-")  # corpus:NAME -> a file name
     suffix = "" if args.size == "bench" and args.model == "transformer" else \
@@ -199,11 +204,12 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
-MODES = ("plain", "cold", "warm", "budget", "budget_exhaustive", "background", "predicted",
-         "builtins")
+MODES = ("plain", "cold", "warm", "budget", "budget_warm", "budget_exhaustive", "background",
+         "predicted", "builtins")
 _NAMES = {"plain": "`jax.jit`", "cold": "`jaxmem.optimize`, cold plan cache",
           "warm": "`jaxmem.optimize`, warm plan cache",
           "budget": "`jaxmem.optimize(budget=0.5)`, cold plan cache",
+          "budget_warm": "`jaxmem.optimize(budget=0.5)`, warm plan cache",
           "budget_exhaustive": "`jaxmem.optimize(budget=Budget(0.5, search=\"exhaustive\"))`, "
                                "cold plan cache",
           "background": "`jaxmem.optimize(verify=\"background\")`, cold plan cache",

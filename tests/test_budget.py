@@ -757,6 +757,18 @@ def test_a_scan_body_policy_that_fits_runs_the_executable_its_search_compiled(mo
     for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
+    # The plan cache warm (another optimize of the same step, as after a restart with the
+    # disk cache): the body search is not run again, the step compiles once, for its plan.
+    calls.clear()
+    again = jaxmem.optimize(_mlp_stack_step, budget=0.6, donate_argnums=())
+    (new2, loss2) = again(*args)
+    assert len(calls) == 1, calls
+    assert again.plan(*args).strategy == plan.strategy
+    assert head in again.plan(*args).notes
+    np.testing.assert_array_equal(loss2, loss)
+    for a, b in zip(jax.tree.leaves(new2), jax.tree.leaves(new), strict=True):
+        np.testing.assert_array_equal(a, b)
+
 
 def test_a_kept_executable_is_only_reused_for_the_same_program():
     """``scan_budget.Kept.same``: the program's text decides, donation included (another

@@ -32,7 +32,7 @@ from jaxmem.planning.plan import Plan
 
 log = logging.getLogger("jaxmem")
 
-_MEMORY: dict[str, Plan] = {}
+_MEMORY: dict[str, Any] = {}
 _DIR: str | None = None
 _CODE_DIGEST: str | None = None
 
@@ -90,9 +90,13 @@ def fingerprint(jaxpr: Any, target: Any, options: Any) -> str:
     return h.hexdigest()
 
 
-def load(key: str) -> Plan | None:
-    """The plan cached under ``key``, from memory or disk, or None."""
+def load(key: str, kind: type = Plan) -> Any:
+    """The plan cached under ``key``, from memory or disk, or None. ``kind``: the type of
+    what is cached there (a scan-body choice is cached beside the plans, as
+    :class:`~jaxmem.compiling.scan_budget.BodyChoice`); an entry of another type is a miss."""
     plan = _MEMORY.get(key)
+    if plan is not None and not isinstance(plan, kind):
+        return None
     d = directory()
     if plan is None and d is not None and (d / f"{key}.plan").is_file():
         try:
@@ -100,15 +104,16 @@ def load(key: str) -> Plan | None:
         except Exception as e:  # noqa: BLE001 - a damaged entry is a miss, not an error
             log.warning("jaxmem: ignoring unreadable plan cache entry %s: %s", key, e)
             return None
-        if not isinstance(plan, Plan):
+        if not isinstance(plan, kind):
             return None
         log.info("jaxmem: plan %s... read from the plan cache in %s", key[:12], d)
         _MEMORY[key] = plan
     return plan
 
 
-def store(key: str, plan: Plan) -> None:
-    """Cache ``plan`` under ``key``: in memory, and on disk when a directory is set."""
+def store(key: str, plan: Any) -> None:
+    """Cache ``plan`` (a :class:`~jaxmem.planning.plan.Plan`, or what :func:`load` is asked
+    for by ``kind``) under ``key``: in memory, and on disk when a directory is set."""
     _MEMORY[key] = plan
     d = directory()
     if d is None:

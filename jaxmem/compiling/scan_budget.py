@@ -228,19 +228,30 @@ def choose_for(opt: Any, fn: Callable[..., Any], dyn_args: tuple[Any, ...],
     on ``fn(*dyn_args, **kwargs)``; ``None`` when the step scans no differentiated layer.
     Candidates are compiled as ``type(opt)`` steps (no import of the entry point here)."""
     from jaxmem import _jax
+    from jaxmem.compiling import plan_cache
     from jaxmem.tracing.program import trace
 
-    values: list[BodyValue] = body_values(trace(fn, *dyn_args, **kwargs))
+    base = trace(fn, *dyn_args, **kwargs)
+    values: list[BodyValue] = body_values(base)
     if not values:
         return None
     offload = opt.offload in (True, "auto")
+    flat = jax.tree_util.tree_leaves((dyn_args, kwargs))
+    # The choice is cached with the plans (jaxmem.plan_cache), without its executables: a
+    # warm call traces the step once here and compiles none of the candidates.
+    key = plan_cache.fingerprint(base.jaxpr, (targets.platform_of(flat) or
+                                              jax.default_backend(), _kinds(flat)),
+                                 ("budget scan body", opt.budget, opt.offload, opt.strategy,
+                                  opt.donate_argnums, sorted(opt.jit_kwargs.items())))
+    cached = plan_cache.load(key, BodyChoice)
+    if cached is not None:
+        return cached
 
     def traced(policy: BodyPolicy) -> Program:
         with _jax.checkpointed_scan_bodies(policy):
             return trace(fn, *dyn_args, **kwargs)
 
     cands = [estimate(p, traced(p)) for p in candidates(values, offload=offload)]
-    flat = jax.tree_util.tree_leaves((dyn_args, kwargs))
     entries: dict[str, Any] = {}
 
     def entry(policy: BodyPolicy) -> Any:
@@ -273,6 +284,7 @@ def choose_for(opt: Any, fn: Callable[..., Any], dyn_args: tuple[Any, ...],
         return k.figures
 
     choice = choose(cands, compiled, budget, profile=profile_of(flat))
+    plan_cache.store(key, choice)  # (choose's choice holds no executable)
     if choice.fits and choice.policy.name in fitting:
         return dataclasses.replace(choice, executable=fitting[choice.policy.name],
                                    plain=plain._replace(executable=None))
