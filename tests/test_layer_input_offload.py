@@ -5,7 +5,9 @@ re-running each layer from an input kept on the device, and ``offload=True`` mee
 15% below the lowest peak the budget search reaches without offload.
 
 Shapes: the zoo GPT scanned (``transformer_scan``) at its test widths, 32 layers, batch 16,
-sequence 64 (the layer inputs are then most of what full remat keeps).
+sequence 64 (the layer inputs are then most of what full remat keeps); on the H100 target
+without dropout (its random bits took 40% of the compile time and are not what these tests
+are about; the results test keeps it).
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def gpt_h100():
     layer re-run from its input kept on the device (full remat per layer)."""
     target = targets.require("h100")
     w = zoo._make("transformer_scan", "test", 16, None, 0, abstract=True,  # noqa: SLF001
-                  overrides={"layers": 32, "seq": 64})
+                  overrides={"layers": 32, "seq": 64, "dropout": 0.0})
     args = target.place(w.args)
     return w, args, _peak(w, args, FULL)
 

@@ -131,12 +131,15 @@ def test_settled_host_copies_stay_in_host_memory_on_the_h100_target(h100_gpt):
     before the backward pass, and XLA:GPU keeps some of the boundaries on the device (host
     temporaries below the offloaded bytes); settled into the forward pass, every offloaded
     boundary is in host memory."""
-    target, analysis, _ = h100_gpt
+    target = h100_gpt[0]
+    # without dropout: its random bits took 60% of each compile here (the fence test above
+    # needs them: without dropout the fence changes nothing at this size)
+    w = zoo.make("transformer", size="test", abstract=True, **{**SMALL_GPT, "dropout": 0.0})
+    args = target.place(tuple(w.args))
+    analysis = jaxmem.analyze(w.step, *args)
     prog = analysis.program
     off = block_offload_candidates(analysis, 2)
     plan = plan_blocks(analysis, 2, offload=off)
-    w = zoo.make("transformer", size="test", abstract=True, **SMALL_GPT)
-    args = target.place(tuple(w.args))
     donated = tuple(range(len(jax.tree.leaves(args[0]))))
 
     def host_bytes(settle):
