@@ -60,9 +60,11 @@ def build(opt: Any, options: Options, fn: Callable[..., Any], args: tuple[Any, .
         first = made.plan  # the plan the verification starts from (its donation, notes)
         made = made._replace(plan=_noted(made.plan, traced.lean_notes + not_donated,
                                          deferred))
-        if key and not deferred:
-            plan_cache.store(key, made.plan)
     jitted, plan, compiled, host_state = _runnable(options, step, traced, made)
+    if key and cached is None and not deferred:
+        # cached as it runs: with the figures of an executable the scan-body search compiled
+        # (_runnable), so that a hit's report needs no compile either
+        plan_cache.store(key, plan)
     entry = Entry(analysis=analysis, plan=plan, jitted=jitted, donate_flat=step.donate_flat,
                   plain=step.plain, compiled=compiled, static_out=bound.static_out,
                   host_state=host_state)
