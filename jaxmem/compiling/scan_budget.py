@@ -329,7 +329,8 @@ def auto_choice(opt: Any, fn: Callable[..., Any], dyn_args: tuple[Any, ...],
     platform = targets.platform_of(flat) or jax.default_backend()
     key = plan_cache.fingerprint(base.jaxpr, (platform, _kinds(flat)),
                                  ("auto scan body", opt.max_recompute_fraction,
-                                  opt.donate_argnums))
+                                  opt.donate_argnums, opt.strategy,
+                                  sorted(opt.jit_kwargs.items())))
     by_name = {p.name: p for p in candidates(values)}
     cached = plan_cache.load(key)
     if cached is not None:
