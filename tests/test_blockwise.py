@@ -172,19 +172,28 @@ def test_a_budget_the_search_misses_falls_back_to_a_builtin_that_fits(monkeypatc
     assert e.value.minimum_bytes <= edited * 1.02
 
 
+def _builtins_tried(monkeypatch) -> list[tuple[str, bool]]:
+    """The built-ins the fallback asks for, ``(policy, per_block)`` in order, with jaxmem's
+    own budget search made to fail (so that the fallback runs)."""
+    from jaxmem.compiling import plan_step, steps
+
+    tried: list[tuple[str, bool]] = []
+    loss = steps.Step.loss
+    monkeypatch.setattr(steps.Step, "loss", lambda self, policy, per_block=False: (
+        tried.append((policy, per_block)), loss(self, policy, per_block))[1])
+    monkeypatch.setattr(plan_step, "plan_with_budget", _refuse)
+    return tried
+
+
 def test_a_builtin_fallback_that_cannot_fit_compiles_only_the_one_that_saves_least(
         monkeypatch):
     """A budget below what nothing_saveable per block compiles to: the fallback compiles
     that one built-in and not the three that save more (issue 37: they were four of a
     failed budget's compiles); the error's minimum is the lowest peak either way."""
-    from jaxmem.compiling import builtin_fallbacks, plan_step, steps
+    from jaxmem.compiling import builtin_fallbacks
 
     w = _nnx_mlp()
-    tried = []
-    loss = steps.Step.loss
-    monkeypatch.setattr(steps.Step, "loss", lambda self, policy, per_block=False: (
-        tried.append((policy, per_block)), loss(self, policy, per_block))[1])
-    monkeypatch.setattr(plan_step, "plan_with_budget", _refuse)
+    tried = _builtins_tried(monkeypatch)
     with pytest.raises(jaxmem.BudgetError, match="saves least") as e:
         jaxmem.optimize(w.step, donate_argnums=0, budget=1000).plan(*w.args)
     assert tried == [builtin_fallbacks.FIRST_BUILTIN]
@@ -208,7 +217,7 @@ def test_a_step_without_blocks_skips_the_second_whole_loss_builtin_far_from_the_
     first; where it compiles more than ``WHOLE_SPREAD`` above the budget, nothing_saveable
     is not compiled (it compiled at most 14.2% below it over ``benchmarks.builtin_order``'s
     steps); nearer the budget both are, and the error's minimum is the lower of them."""
-    from jaxmem.compiling import builtin_fallbacks, plan_step, steps
+    from jaxmem.compiling import builtin_fallbacks
 
     def step(w, x):  # plain jnp: no module names, so no blocks
         def loss(w):
@@ -218,11 +227,7 @@ def test_a_step_without_blocks_skips_the_second_whole_loss_builtin_far_from_the_
         return [a - 0.1 * b for a, b in zip(w, g, strict=True)], value
 
     args = ([jnp.full((64, 64), 0.01), jnp.full((64, 64), 0.02)], jnp.ones((32, 64)))
-    tried = []
-    loss = steps.Step.loss
-    monkeypatch.setattr(steps.Step, "loss", lambda self, policy, per_block=False: (
-        tried.append((policy, per_block)), loss(self, policy, per_block))[1])
-    monkeypatch.setattr(plan_step, "plan_with_budget", _refuse)
+    tried = _builtins_tried(monkeypatch)
     with pytest.raises(jaxmem.BudgetError, match="without blocks") as e:
         jaxmem.optimize(step, donate_argnums=0, budget=1000).plan(*args)
     compiled = [t for t in tried if not t[1]]  # per block: nothing to wrap, not compiled
