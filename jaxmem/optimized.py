@@ -22,7 +22,7 @@ from typing import Any
 import jax
 
 from jaxmem.analyzing.analysis import Analysis
-from jaxmem.compiling import background
+from jaxmem.compiling import background, plan_cache
 from jaxmem.compiling import signature as _signature
 from jaxmem.compiling.build import build
 from jaxmem.compiling.builtin_fallbacks import BUILTIN_POLICIES  # noqa: F401 - re-exported
@@ -161,6 +161,10 @@ class Optimized:
             # verify=True checked the plan against the plain step's predicted peak and did
             # not compile it: the report compiles it now, off the first call's path
             entry.plan = entry.plan.with_figures(baseline=self._baseline(entry, flat))
+        else:
+            return entry.plan
+        if entry.cache_key is not None:  # a later hit's report needs no compile
+            plan_cache.store(entry.cache_key, entry.plan)
         return entry.plan
 
     def analysis(self, *args: Any, **kwargs: Any) -> Analysis:

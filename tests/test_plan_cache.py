@@ -63,6 +63,24 @@ def test_disk_cache_hit_skips_planning_compiles(tmp_path, compiles, budget):
     np.testing.assert_allclose(out2[1], jax.jit(step)(WS, X)[1], rtol=1e-6)
 
 
+def test_a_hit_reports_the_figures_the_first_report_compiled(tmp_path, compiles):
+    """A plan made without the plain step compiled (``verify=False`` here; ``verify=True``
+    where the predicted margin holds) has its report's figures compiled by ``plan()``; they
+    are stored with the plan, so a cache hit's report compiles nothing."""
+    plan_cache.set_dir(tmp_path)
+    first = jaxmem.optimize(step, donate_argnums=(), verify=False)
+    first(WS, X)
+    plan1 = first.plan(WS, X)  # compiles the plain step for the baseline
+    assert plan1.baseline is not None
+    plan_cache.clear_memory()
+    compiles.clear()
+    second = jaxmem.optimize(step, donate_argnums=(), verify=False)
+    second(WS, X)
+    plan2 = second.plan(WS, X)
+    assert len(compiles) == 1  # the step itself: the report's figures came with the plan
+    assert plan2.compiled == plan1.compiled and plan2.baseline == plan1.baseline
+
+
 def test_changed_option_misses_and_memory_cache(compiles):
     jaxmem.optimize(step, donate_argnums=())(WS, X)
     compiles.clear()

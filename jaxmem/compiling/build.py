@@ -67,7 +67,7 @@ def build(opt: Any, options: Options, fn: Callable[..., Any], args: tuple[Any, .
         plan_cache.store(key, plan)
     entry = Entry(analysis=analysis, plan=plan, jitted=jitted, donate_flat=step.donate_flat,
                   plain=step.plain, compiled=compiled, static_out=bound.static_out,
-                  host_state=host_state)
+                  host_state=host_state, cache_key=None if deferred else key)
     if deferred:
         background.schedule(entry, step,
                             lambda on: choose.verified(first, analysis, on, options),

@@ -44,6 +44,9 @@ class Entry:
     plain_predicted: int | None = None  # the plain step's predicted peak: the first plan's bar
     pending: concurrent.futures.Future | None = None
     calls: int = 0  # calls run so far (for the log line that says when a plan was adopted)
+    # The plan cache key the plan is stored under (None: not cached): the figures the report
+    # compiles later (Optimized.plan) are stored with it, so a hit's report compiles nothing.
+    cache_key: str | None = None
 
 
 def placed(entry: Entry, flat: list[Any], name: str) -> Callable[..., Any]:
