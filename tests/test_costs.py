@@ -126,6 +126,43 @@ def test_the_scan_body_budget_choice_weighs_the_host_link():
     assert by_flops.policy.name == "offload all" and "fewest FLOPs" in by_flops.notes[0]
 
 
+def test_the_scan_body_search_predicted_from_the_plain_step_chooses_as_the_bisection():
+    """``choose(..., plain_peak=...)`` (issue 37: rank by prediction, compile to check)
+    compiles the candidate predicted to fit first and settles the choice around it: on
+    candidates whose peaks are their kept bytes plus a term that varies by a few MiB (as
+    the zoo's scanned GPT compiled, docs/plan_cache.md), it picks what the bisection picks at
+    every budget, fits or not, with fewer compiles in all."""
+    from jaxmem.compiling.scan_budget import BodyCandidate, choose
+    from jaxmem.rewriting.scans import BodyPolicy
+    from jaxmem.xla.measure import Figures
+
+    mib = 1 << 20
+    kept = [k * 10 * mib for k in range(1, 13)]  # 10 .. 120 MiB
+    wobble = [3, -2, 4, 0, -4, 1, 2, -3, 0, 4, -1, 2]  # MiB, peaks still rising with kept
+    peaks = {f"p{i}": k + (30 + w) * mib for i, (k, w) in enumerate(zip(kept, wobble,
+                                                                         strict=True))}
+    cands = [BodyCandidate(BodyPolicy(f"p{i}"), flops=1e12 * (20 - i), kept_bytes=k)
+             for i, k in enumerate(kept)]
+    plain = max(kept) + 32 * mib  # the step with nothing re-run keeps at least the most
+
+    def run(budget, **kw):
+        calls = []
+
+        def compile_with(policy):
+            calls.append(policy.name)
+            return Figures(argument=0, output=0, temp=peaks[policy.name], alias=0)
+        return choose(cands, compile_with, budget, **kw), len(calls)
+
+    total = {"bisection": 0, "predicted": 0}
+    for budget in range(35 * mib, 160 * mib, 7 * mib):
+        a, n_a = run(budget)
+        b, n_b = run(budget, plain_peak=plain)
+        assert (b.policy.name, b.fits) == (a.policy.name, a.fits), budget / mib
+        total["bisection"] += n_a
+        total["predicted"] += n_b
+    assert total["predicted"] < total["bisection"], total
+
+
 def test_the_budget_search_weighs_on_the_target_it_compiles_for():
     """A step compiled for the H100 target on a CPU machine is planned on the H100 profile
     (it said "(profile cpu)" and ordered its candidates by CPU speeds), unless the Budget
