@@ -16,6 +16,7 @@ budget search plans the outside too, from the lowest-peak body policy).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import os
@@ -287,7 +288,9 @@ def choose_for(opt: Any, fn: Callable[..., Any], dyn_args: tuple[Any, ...],
     Candidates are compiled as ``type(opt)`` steps (no import of the entry point here)."""
     from jaxmem import _jax
     from jaxmem.compiling import plan_cache
-    from jaxmem.tracing.program import trace
+    from jaxmem.compiling.donation import decide
+    from jaxmem.compiling.steps import plain_jit
+    from jaxmem.tracing.program import flat_donated, trace
 
     base = trace(fn, *dyn_args, **kwargs)
     values: list[BodyValue] = body_values(base)
@@ -309,7 +312,18 @@ def choose_for(opt: Any, fn: Callable[..., Any], dyn_args: tuple[Any, ...],
         with _jax.checkpointed_scan_bodies(policy):
             return trace(fn, *dyn_args, **kwargs)
 
-    cands = [estimate(p, traced(p)) for p in candidates(values, offload=offload)]
+    # The plain step (the step's donation) is what a fractional budget is a fraction of and
+    # what the candidates' peaks are predicted from: it compiles in a thread while the
+    # candidates are traced (XLA's compile does not hold the GIL).
+    donate = flat_donated(dyn_args, decide(opt.donate_argnums, dyn_args, base).argnums)
+    plain_jitted = plain_jit(fn, jax.tree_util.tree_structure((dyn_args, kwargs)), donate,
+                             opt.jit_kwargs)
+    plain_lowered = plain_jitted.lower(*flat)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxmem-compile") as pool:
+        plain_exe = pool.submit(measure.compile, plain_lowered)
+        cands = [estimate(p, traced(p)) for p in candidates(values, offload=offload)]
+        plain = Kept(plain_exe.result(), program_key(plain_lowered),
+                     read(plain_exe.result(), plain_jitted, flat))
     entries: dict[str, Any] = {}
 
     def entry(policy: BodyPolicy) -> Any:
@@ -328,9 +342,6 @@ def choose_for(opt: Any, fn: Callable[..., Any], dyn_args: tuple[Any, ...],
         exe = measure.compile(lowered)
         return Kept(exe, program_key(lowered), read(exe, jitted, flat))
 
-    # The plain step (same donation) is what a fractional budget is a fraction of.
-    first = _dominated(cands)[0].policy
-    plain = kept(entry(first).plain)
     budget = resolve_budget(opt.budget, plain.figures.peak)
     fitting: dict[str, Kept] = {}  # the last candidate compiled that fits: the bisection's best
 
