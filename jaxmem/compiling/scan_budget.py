@@ -243,33 +243,41 @@ def choose(cands: Sequence[BodyCandidate], compile_with: Callable[[BodyPolicy], 
 def _predicted_search(front: Sequence[BodyCandidate], cands: Sequence[BodyCandidate],
                       peak: Callable[[int], int], done: dict[str, BodyCandidate], budget: int,
                       plain_peak: int, max_compiles: int, profile: Any) -> BodyChoice:
-    """:func:`choose` with ``plain_peak``: along ``front`` (cheapest first, peaks falling),
-    the cheapest candidate not yet settled whose kept bytes plus the highest ``peak - kept``
-    seen are within the budget is compiled next; where none is, the one just cheaper than
-    the cheapest that fits, unless even the lowest ``peak - kept`` seen puts it more than
-    :data:`SKIP_ABOVE` above the budget (then the search is done), or, with nothing found
-    to fit yet, the one that keeps least (if it does not fit, nothing does)."""
+    """:func:`choose` with ``plain_peak``. Along ``front`` (cheapest first, peaks falling)
+    the first that fits lies between the last known not to fit and the first known to fit;
+    of the candidates there, those whose kept bytes plus the lowest ``peak - kept`` seen are
+    within :data:`SKIP_ABOVE` of the budget could still fit (none: the search is done, or,
+    with nothing found to fit yet, the one that keeps least is compiled: if it does not fit,
+    nothing does). The next compiled is the cheapest of them predicted to fit by the highest
+    ``peak - kept`` seen (else the one nearest the fitting end); after a compile that
+    missed its prediction, the middle one, as a bisection would."""
     base = plain_peak - max(c.kept_bytes for c in front)
     lo, hi = -1, len(front)  # front[lo] does not fit, front[hi] fits (once compiled)
+    missed = False
     while hi - lo > 1 and len(done) < max_compiles:
         seen = [base] + [c.compiled.peak - c.kept_bytes for c in done.values()]
-        i = next((k for k in range(lo + 1, hi) if front[k].kept_bytes + max(seen) <= budget),
-                 None)
-        if i is None and hi < len(front):
-            if front[hi - 1].kept_bytes + min(seen) > budget * (1 + SKIP_ABOVE):
-                break  # the next cheaper one is predicted far above: so are the rest
-            i = hi - 1
-        elif i is None:
+        inside = [k for k in range(lo + 1, hi)
+                  if front[k].kept_bytes + min(seen) <= budget * (1 + SKIP_ABOVE)]
+        if not inside:
+            if hi < len(front):
+                break  # none cheaper than the one that fits is predicted near the budget
             i = len(front) - 1
-        if peak(i) <= budget:
+        elif missed:
+            i = inside[len(inside) // 2]
+        else:
+            i = next((k for k in inside if front[k].kept_bytes + max(seen) <= budget),
+                     inside[-1])
+        predicted = front[i].kept_bytes + max(seen) <= budget
+        fits = peak(i) <= budget
+        missed = fits != predicted
+        if fits:
             hi = i
         else:
             lo = i
-    if hi == len(front):  # nothing found to fit (the last one tried when compiles ran out)
-        if front[-1].policy.name not in done:
-            peak(len(front) - 1)
-        if done[front[-1].policy.name].compiled.peak <= budget:
-            hi = len(front) - 1
+    if hi == len(front) and front[-1].policy.name not in done:
+        peak(len(front) - 1)  # compiles ran out before the one that keeps least was tried
+    if hi == len(front) and done[front[-1].policy.name].compiled.peak <= budget:
+        hi = len(front) - 1
     if hi == len(front):
         best = min(done.values(), key=lambda c: (c.compiled.peak, c.flops))
         return BodyChoice(best, _merge(cands, done), budget, False, profile)
