@@ -296,9 +296,8 @@ def choose_for(opt: Any, fn: Callable[..., Any], dyn_args: tuple[Any, ...],
     Candidates are compiled as ``type(opt)`` steps (no import of the entry point here)."""
     from jaxmem import _jax
     from jaxmem.compiling import plan_cache
-    from jaxmem.compiling.donation import decide
-    from jaxmem.compiling.steps import plain_jit
-    from jaxmem.tracing.program import flat_donated, trace
+    from jaxmem.compiling.steps import plain_for
+    from jaxmem.tracing.program import trace
 
     base = trace(fn, *dyn_args, **kwargs)
     values: list[BodyValue] = body_values(base)
@@ -308,10 +307,9 @@ def choose_for(opt: Any, fn: Callable[..., Any], dyn_args: tuple[Any, ...],
     flat = jax.tree_util.tree_leaves((dyn_args, kwargs))
     # The choice is cached with the plans (jaxmem.plan_cache), without its executables: a
     # warm call traces the step once here and compiles none of the candidates.
-    key = plan_cache.fingerprint(base.jaxpr, (targets.platform_of(flat) or
-                                              jax.default_backend(), _kinds(flat)),
-                                 ("budget scan body", opt.budget, opt.offload, opt.strategy,
-                                  opt.donate_argnums, sorted(opt.jit_kwargs.items())))
+    key = _choice_key(base, flat, ("budget scan body", opt.budget, opt.offload,
+                                   opt.strategy, opt.donate_argnums,
+                                   sorted(opt.jit_kwargs.items())))
     cached = plan_cache.load(key, BodyChoice)
     if cached is not None:
         return cached
@@ -323,15 +321,14 @@ def choose_for(opt: Any, fn: Callable[..., Any], dyn_args: tuple[Any, ...],
     # The plain step (the step's donation) is what a fractional budget is a fraction of and
     # what the candidates' peaks are predicted from: it compiles in a thread while the
     # candidates are traced (XLA's compile does not hold the GIL).
-    donate = flat_donated(dyn_args, decide(opt.donate_argnums, dyn_args, base).argnums)
-    plain_jitted = plain_jit(fn, jax.tree_util.tree_structure((dyn_args, kwargs)), donate,
-                             opt.jit_kwargs)
+    plain_jitted, _ = plain_for(fn, dyn_args, kwargs, opt.donate_argnums, base,
+                                opt.jit_kwargs)
     plain_lowered = plain_jitted.lower(*flat)
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxmem-compile") as pool:
-        plain_exe = pool.submit(measure.compile, plain_lowered)
+        compiling = pool.submit(measure.compile, plain_lowered)
         cands = [estimate(p, traced(p)) for p in candidates(values, offload=offload)]
-        plain = Kept(plain_exe.result(), program_key(plain_lowered),
-                     read(plain_exe.result(), plain_jitted, flat))
+        plain_exe = compiling.result()
+    plain = Kept(plain_exe, program_key(plain_lowered), read(plain_exe, plain_jitted, flat))
     entries: dict[str, Any] = {}
 
     def entry(policy: BodyPolicy) -> Any:
@@ -369,6 +366,15 @@ def choose_for(opt: Any, fn: Callable[..., Any], dyn_args: tuple[Any, ...],
     return dataclasses.replace(choice, plain=plain)  # the budget search compiles it no more
 
 
+def _choice_key(base: Program, flat: Sequence[Any], options: tuple[Any, ...]) -> str:
+    """The plan-cache key of a scan-body choice: the step traced before it, the target the
+    arguments are placed on (platform and device kinds), and the ``options`` it depends on."""
+    from jaxmem.compiling import plan_cache
+
+    platform = targets.platform_of(flat) or jax.default_backend()
+    return plan_cache.fingerprint(base.jaxpr, (platform, _kinds(flat)), options)
+
+
 def _kinds(flat: Sequence[Any]) -> tuple[str, ...]:
     """The device kinds the arguments are placed on (part of a cache key)."""
     return tuple(sorted({str(getattr(d, "device_kind", d)) for x in flat
@@ -404,11 +410,9 @@ def auto_choice(opt: Any, fn: Callable[..., Any], dyn_args: tuple[Any, ...],
     if not values:
         return None
     flat = jax.tree_util.tree_leaves((dyn_args, kwargs))
-    platform = targets.platform_of(flat) or jax.default_backend()
-    key = plan_cache.fingerprint(base.jaxpr, (platform, _kinds(flat)),
-                                 ("auto scan body", opt.max_recompute_fraction,
-                                  opt.donate_argnums, opt.strategy,
-                                  sorted(opt.jit_kwargs.items())))
+    key = _choice_key(base, flat, ("auto scan body", opt.max_recompute_fraction,
+                                   opt.donate_argnums, opt.strategy,
+                                   sorted(opt.jit_kwargs.items())))
     by_name = {p.name: p for p in candidates(values)}
     cached = plan_cache.load(key)
     if cached is not None:

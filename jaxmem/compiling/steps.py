@@ -105,6 +105,20 @@ def make(program: Program, fn: Callable[..., Any], args: Any, donated: tuple[int
                 jit_kwargs=jit_kwargs, plain=plain_jit(fn, in_tree, donate_flat, jit_kwargs))
 
 
+def plain_for(fn: Callable[..., Any], dyn_args: tuple[Any, ...], kwargs: dict[str, Any],
+              donate_argnums: Any, program: Program, jit_kwargs: dict[str, Any]
+              ) -> tuple[Any, tuple[int, ...]]:
+    """The plain step of ``fn(*dyn_args, **kwargs)`` (:func:`plain_jit`) donated as the
+    step is (``donate_argnums`` decided on its traced ``program``), and the flat positions
+    it donates."""
+    from jaxmem.compiling.donation import decide
+    from jaxmem.tracing.program import flat_donated
+
+    donate = flat_donated(dyn_args, decide(donate_argnums, dyn_args, program).argnums)
+    in_tree = jax.tree_util.tree_structure((dyn_args, kwargs))
+    return plain_jit(fn, in_tree, donate, jit_kwargs), donate
+
+
 def plain_jit(fn: Callable[..., Any], in_tree: Any, donate_flat: tuple[int, ...],
               jit_kwargs: dict[str, Any]) -> Any:
     """``jax.jit`` of ``fn`` on the flat leaves of arguments of structure ``in_tree``."""

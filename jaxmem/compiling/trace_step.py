@@ -19,15 +19,14 @@ from typing import Any, NamedTuple
 import jax
 
 from jaxmem import _jax
-from jaxmem.compiling.donation import decide
 from jaxmem.compiling.options import Options
 from jaxmem.compiling.scan_budget import auto_choice, choose_for
 from jaxmem.compiling.shard_map import BodyPlanner, StepBudget, plan_bodies
-from jaxmem.compiling.steps import figures, plain_jit, read
+from jaxmem.compiling.steps import figures, plain_for, read
 from jaxmem.rewriting.policies import utility
 from jaxmem.rewriting.scans import TrainBodies
 from jaxmem.tracing import structure
-from jaxmem.tracing.program import Program, flat_donated, trace
+from jaxmem.tracing.program import Program, trace
 from jaxmem.xla import measure
 
 
@@ -97,10 +96,9 @@ def _step_budget(options: Options, fn: Callable[..., Any], dyn_args: tuple[Any, 
     """The budget of the step whose ``shard_map`` bodies are planned: its plain ``jax.jit``
     (the step's donation) compiled once, when a body first asks; a body's candidates
     compiled as ``program`` with that body, donated the same way."""
-    donate = flat_donated(dyn_args, decide(options.donate_argnums, dyn_args,
-                                           program).argnums)
-    flat, in_tree = jax.tree_util.tree_flatten((dyn_args, kwargs))
-    jitted = plain_jit(fn, in_tree, donate, options.jit_kwargs)
+    jitted, donate = plain_for(fn, dyn_args, kwargs, options.donate_argnums, program,
+                               options.jit_kwargs)
+    flat = jax.tree_util.tree_leaves((dyn_args, kwargs))
 
     @functools.cache
     def plain() -> tuple[Any, Any]:
