@@ -11,9 +11,7 @@ and says, per step, how far above the best compiled plan the best of each first 
 - ``union``: both (what ``verify="builtins"`` compiles first, ``with_rewritten_best``);
 - ``default``: what ``verify=True`` compiles first since issue 37
   (:mod:`jaxmem.compiling.predicted`): the plans tied at the cost model's lowest (on a
-  target in ``TIES_BY_REWRITTEN``: within ``TIES_WITHIN`` of it on a step whose plain peak
-  is predicted at ``PLAIN_MIN_BYTES`` or more, the plain step's ``rewritten`` figure being
-  its prediction, and the one of them whose rewritten step is lowest), and the
+  target in ``TIES_BY_REWRITTEN``: the one of them whose rewritten step is lowest), and the
   rewritten step's lowest among the plans the model puts within
   :data:`~jaxmem.compiling.predicted.REWRITTEN_WITHIN` of its lowest, and that of the
   others where it is more than :data:`~jaxmem.compiling.predicted.REWRITTEN_OVERRULES`
@@ -35,13 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import jaxmem
-from jaxmem.compiling.predicted import (
-    PLAIN_MIN_BYTES,
-    REWRITTEN_OVERRULES,
-    REWRITTEN_WITHIN,
-    TIES_BY_REWRITTEN,
-    TIES_WITHIN,
-)
+from jaxmem.compiling.predicted import REWRITTEN_OVERRULES, REWRITTEN_WITHIN, TIES_BY_REWRITTEN
 
 
 def first(rows: list[dict[str, Any]], key: str, k: int) -> list[dict[str, Any]]:
@@ -61,22 +53,16 @@ def over_best(rows: list[dict[str, Any]], chosen: list[dict[str, Any]]) -> float
     return 100.0 * (min(r["compiled"] for r in chosen) / best - 1.0)
 
 
-def default(rows: list[dict[str, Any]], target: str = "cpu",
-            plain: int | None = None) -> list[dict[str, Any]]:
+def default(rows: list[dict[str, Any]], target: str = "cpu") -> list[dict[str, Any]]:
     """What ``verify=True`` compiles first: the rows tied at the lowest ``model`` figure
-    (on a target in ``TIES_BY_REWRITTEN``, those within ``TIES_WITHIN`` of it where the
-    plain step is predicted at ``PLAIN_MIN_BYTES`` or more (``plain``: its prediction), and
-    only the one of them with the lowest ``rewritten`` figure), and the lowest
-    ``rewritten`` among those within ``REWRITTEN_WITHIN`` of it, and of the others where it
-    is more than ``REWRITTEN_OVERRULES`` below them."""
+    (on a target in ``TIES_BY_REWRITTEN``, only the one of them with the lowest
+    ``rewritten`` figure), and the lowest ``rewritten`` among those within
+    ``REWRITTEN_WITHIN`` of it, and of the others where it is more than
+    ``REWRITTEN_OVERRULES`` below them."""
     tied = first(rows, "model", 1)
     if not tied:
         return []
-    gpu = _platform(target) in TIES_BY_REWRITTEN
-    if gpu and plain is not None and plain >= PLAIN_MIN_BYTES:
-        tied = [r for r in rows if r.get("model") is not None
-                and r["model"] <= tied[0]["model"] * (1 + TIES_WITHIN)]
-    if gpu and len(tied) > 1:
+    if _platform(target) in TIES_BY_REWRITTEN and len(tied) > 1:
         tied = sorted(tied, key=lambda r: (r.get("rewritten") is None,
                                            r.get("rewritten") or 0))[:1]
     near = [r for r in rows if r.get("model") is not None
@@ -106,7 +92,7 @@ def step_rows(path: str) -> list[tuple[str, str, int, dict[str, Any]]]:
         model3, rewritten1 = first(rows, "model", 3), first(rows, "rewritten", 1)
         union = list({id(r): r for r in model3 + rewritten1}.values())
         sets = {"model3": model3, "rewritten1": rewritten1, "union": union,
-                "default": default(rows, m["target"], m["plain"].get("rewritten"))}
+                "default": default(rows, m["target"])}
         figs = {k: {"over": over_best(rows, v), "n": len(v)} for k, v in sets.items()}
         every = [c for c in m["candidates"] if c.get("compiled")] + [m["plain"]]
         figs["all"] = {"over": over_best(every, sets["default"]), "n": len(sets["default"])}

@@ -191,26 +191,6 @@ def test_on_a_gpu_plans_tied_in_the_model_are_compiled_one_at_a_time(monkeypatch
     assert order == ["b+d"]
 
 
-def test_on_a_gpu_plans_near_the_models_lowest_count_as_tied(monkeypatch):
-    """``TIES_WITHIN``: on XLA:GPU a plan the model predicts 5% above its lowest ties with
-    it, so the rewritten liveness' pick of the two compiles alone (one compile where the
-    model's lowest and the rewritten lowest differ); on CPU, and below ``PLAIN_MIN_BYTES``,
-    only exact ties count and both compile."""
-    kw = dict(predictions=(100, 40, 60, 42), rewritten=dict(a=90, b=70, c=95, d=66))
-    compiled = dict(a=60, b=80, c=70, d=75)
-    order, ((name, plain_compiled, _), exe) = _run(monkeypatch, compiled, platform="cuda",
-                                                   **kw)
-    assert order == ["d"] and name == "d" and exe == "exe d" and not plain_compiled
-    order, ((name, _, _), _) = _run(monkeypatch, compiled, platform="cpu", **kw)
-    assert order == ["b+d"] and name == "d"
-    order, _ = _run(monkeypatch, compiled, platform="cuda", min_bytes=101, **kw)
-    assert order == ["b+d", "plain"]
-    # the others of a widened tie follow one at a time, by their rewritten figure
-    order, ((name, _, _), _) = _run(monkeypatch, dict(a=60, b=80, c=70, d=120),
-                                    platform="cuda", **kw)
-    assert order == ["d", "plain", "b"] and name == "b"
-
-
 def test_the_rewritten_steps_best_is_compiled_with_the_first_group(monkeypatch):
     # "a" is the model's worst and the rewritten step's lowest: compiled with "b", and kept
     order, ((name, _, _), exe) = _run(monkeypatch, dict(a=60, b=80, c=70, d=75),
@@ -286,9 +266,6 @@ def test_groups_stop_once_the_best_predicted_are_in():
     assert predicted._tied([40, 10, 30, 10, 10], 3) == [[1, 3, 4]]
     assert predicted._tied([40, 10, 30, 20], 3) == [[1], [3], [2]]
     assert predicted._tied([40, 10, 30, 30], 2) == [[1], [2, 3]]
-    # within: near the lowest ties with it, past the top cut too
-    assert predicted._tied([40, 10, 30, 10.5], 1, within=0.07) == [[1, 3]]
-    assert predicted._tied([40, 10, 30, 10.5, 11], 3, within=0.07) == [[1, 3], [4]]
 
 
 def test_a_platform_without_a_bound_always_compiles_the_plain_step(monkeypatch):

@@ -7,9 +7,8 @@ model predicts for them (:class:`~jaxmem.analyzing.costmodel.CostModel`), and co
 best first, each in full (the compile that checks a plan is the one the first call
 runs): one at a time, or together where plans tie in the model (the same values dropped,
 grouped differently: the compiler tells them apart), the lowest of a group checked; on a
-GPU, of plans tied in the model (or within :data:`TIES_WITHIN` of its lowest) only the one
-whose rewritten step is predicted lowest is compiled first, the others one at a time
-after it (:data:`TIES_BY_REWRITTEN`); the
+GPU, of plans tied in the model only the one whose rewritten step is predicted lowest is
+compiled first (:data:`TIES_BY_REWRITTEN`); the
 plan whose rewritten step's liveness is predicted lowest (among those the model puts
 within :data:`REWRITTEN_WITHIN` of its lowest) is compiled with the first group.
 The first that passes runs:
@@ -104,25 +103,6 @@ REWRITTEN_OVERRULES = 0.05
 #: at test size +12.3%), so there every tied plan is still compiled.
 TIES_BY_REWRITTEN: frozenset[str] = frozenset({"cuda", "gpu"})
 
-#: On the platforms of :data:`TIES_BY_REWRITTEN`, plans the cost model predicts within this
-#: of its lowest count as tied with it (the rewritten step's liveness picks the one
-#: compiled first), on steps whose plain peak is predicted at :data:`PLAIN_MIN_BYTES` or
-#: more. The model sees a plan's drop set, not how its rewrite groups and cuts the
-#: re-creation, and its plans' errors on the H100 target spread by tens of percent
-#: (docs/first_call.md), so a lead of a few percent is not one it can stand on: on
-#: ``eqx_bn_cnn`` it put ``blocks(depth=1, heavy kept, light unjoined)`` 1.3% below four
-#: tied plans and that plan compiled at the plain step's peak (80.77 MiB; the rewritten
-#: liveness' pick of the four: 57.69); on transformers' ResNet18 ``selective(depth=3)``
-#: 4.2% above MEDL's three tied plans compiled 8% below them; on haiku's ResNet-50
-#: ``selective(depth=2)`` 5.6% above the model's lowest compiled 4.5% below it. Over the
-#: 14 H100-target steps of ``python -m benchmarks.ranking_union``: 1.50 plans a step in
-#: the first compiles instead of 1.71, the same steps within 1% of the compiled best (the
-#: three corpus steps above: one compile instead of two); from 10% the zoo ResNet's MEDL
-#: plan, 9.1% below ``selective(depth=2)`` in the model and compiled 7.7% below it, is
-#: lost. Steps below :data:`PLAIN_MIN_BYTES` keep exact ties (the zoo GPT at test size lost
-#: 5.4% at 6%: fixed terms weigh more there, and their compiles are quick).
-TIES_WITHIN = 0.07
-
 
 def predicted(plan: Plan, analysis: Analysis, step: Step, options: Options
               ) -> tuple[Plan, Any]:
@@ -136,13 +116,11 @@ def predicted(plan: Plan, analysis: Analysis, step: Step, options: Options
     base: tuple[Figures, Any] | None = None
     tried: list[str] = []
     peaks = _RewrittenPeaks(cands, step, analysis.platform)
-    within = (TIES_WITHIN if step.platform in TIES_BY_REWRITTEN
-              and plain_pred >= PLAIN_MIN_BYTES else 0.0)
-    groups = _tied(pred, TOP, within=within)
+    groups = _tied(pred, TOP)
     if groups and any(peaks.too_large(i) for i in groups[0]):
         # (the first group is traced to be lowered anyway; the others are sized when
         # reached, or here when the first lost one: the TOP are counted among those that fit)
-        groups = _tied(pred, TOP, _sized(pred, TOP, peaks), within=within)
+        groups = _tied(pred, TOP, _sized(pred, TOP, peaks))
     if groups and len(groups[0]) > 1 and step.platform in TIES_BY_REWRITTEN:
         groups = _split_tie(groups, peaks)
     with _Compiles(step) as compiles:
@@ -223,25 +201,19 @@ class _Compiles:
         return [read(e, c.jitted, self.step.flat) for c, e in zip(cands, exes, strict=True)], exes
 
 
-def _tied(pred: list[int], top: int, among: list[int] | None = None,
-          within: float = 0.0) -> list[list[int]]:
+def _tied(pred: list[int], top: int, among: list[int] | None = None) -> list[list[int]]:
     """The candidates :func:`.choose.ranked` compiles first (the ``top`` lowest predicted
     peaks, with every one tied with the last of them), lowest first, in groups of equal
     prediction (plans that drop the same values tie in the model, which does not see how
     a plan groups its re-creation: the compiler tells them apart, so a group is compiled
-    together). ``among``: the candidates that may be compiled (None: all); ``within``:
-    how far above the lowest a prediction still ties with it (:data:`TIES_WITHIN`; those
-    join the first group, wherever the ``top`` cut falls)."""
+    together). ``among``: the candidates that may be compiled (None: all)."""
     idx = list(range(len(pred))) if among is None else list(among)
     if not idx:
         return []
     cut = sorted(pred[i] for i in idx)[min(top, len(idx)) - 1]
-    low = min(pred[i] for i in idx)
     groups: dict[int, list[int]] = {}
     for i in sorted(idx, key=lambda i: (pred[i], i)):
-        if pred[i] <= low * (1 + within):
-            groups.setdefault(low, []).append(i)
-        elif pred[i] <= cut:
+        if pred[i] <= cut:
             groups.setdefault(pred[i], []).append(i)
     return list(groups.values())
 
@@ -309,11 +281,12 @@ def _rewritten_best(pred: list[int], peaks: _RewrittenPeaks, first: list[int]) -
 
 
 def _split_tie(groups: list[list[int]], peaks: _RewrittenPeaks) -> list[list[int]]:
-    """``groups`` with the first (plans tied in the cost model) split: the one whose
-    rewritten step's liveness is lowest (the first of equals) compiled first, and the
-    others one at a time after it, in the same order (:data:`TIES_BY_REWRITTEN`)."""
-    order = sorted(groups[0], key=lambda i: (peaks(i) is None, peaks(i) or 0, i))
-    return [[i] for i in order] + groups[1:]
+    """``groups`` with the first (plans tied in the cost model) split in two: the one whose
+    rewritten step's liveness is lowest (the first of equals), compiled first, and the
+    others after it (:data:`TIES_BY_REWRITTEN`)."""
+    first = groups[0]
+    best = min(first, key=lambda i: (peaks(i) is None, peaks(i) or 0, i))
+    return [[best], [i for i in first if i != best]] + groups[1:]
 
 
 def _first_with(groups: list[list[int]], best: list[int]) -> list[list[int]]:
