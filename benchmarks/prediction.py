@@ -33,6 +33,11 @@ Example::
     python -m benchmarks.prediction --sizes test --targets cpu,h100 --chosen
     python -m benchmarks.prediction --sizes bench --targets cpu --models mlp,resnet --plans
     python -m benchmarks.prediction --docs docs/targets.md   # the table there, from the JSON
+    python -m benchmarks.prediction --sizes bench --targets h100,cpu \
+        --models corpus:eqx_bn_cnn,corpus:tx_gpt2_ts --out benchmarks/results/prediction_corpus
+
+(``MODEL`` may be ``corpus:NAME``, an entry of :mod:`benchmarks.external.corpus`, as for
+``--plans``.)
 
 ``--docs`` compiles nothing: it rewrites the table between ``<!-- prediction-table -->``
 markers in the given file from ``prediction.json`` (plain steps), ``before.json`` (the model
@@ -59,8 +64,20 @@ from jaxmem.analyzing.analysis import from_program
 DEFAULT_OUT = Path("benchmarks/results/prediction")
 
 
+def _workload(name: str, size: str, target: str) -> Any:
+    """A zoo model, or ``corpus:NAME`` (other people's train step, built for ``target``'s
+    devices), named for the rows."""
+    from benchmarks.prediction_plans import workload
+
+    w = workload(name, size, target)
+    if name.startswith("corpus:"):
+        w.name, w.size = name, size
+    return w
+
+
 def _args(w: zoo.Workload, target: str) -> Any:
-    return w.args if target == "cpu" else jaxmem.targets.place(w.args, target)
+    return w.args if target == "cpu" else jaxmem.targets.place(
+        w.args, target, sharding=getattr(w, "sharding", None))
 
 
 def plain_row(w: zoo.Workload, target: str) -> dict[str, Any]:
@@ -211,8 +228,8 @@ def main(argv: list[str] | None = None) -> int:
             + " ".join(argv if argv is not None else __import__("sys").argv[1:])}
     for size in a.sizes.split(","):
         for name in a.models.split(","):
-            w = zoo.make(name, size=size, abstract=True)
             for target in a.targets.split(","):
+                w = _workload(name, size, target)
                 for kind, fn in (("plain", plain_row), ("jaxmem", plan_row)):
                     if kind == "jaxmem" and not a.chosen:
                         continue

@@ -53,11 +53,18 @@ from jaxmem.xla import measure
 from jaxmem.xla.measure import Figures, fmt_bytes, lowest
 
 #: How far below the predicted plain peak a compiled plan must be for the plain step not to
-#: be compiled, per platform: the cost model's largest over-prediction of a plain step's
-#: compiled peak measured there (``python -m benchmarks.prediction``: the zoo's bench steps
-#: on CPU and the H100 target were within 10%), and a margin. A platform not listed always
-#: compiles the plain step.
-PLAIN_ERROR: dict[str, float] = {"cpu": 0.10, "cuda": 0.10, "gpu": 0.10, "tpu": 0.10}
+#: be compiled, per platform. The check is sound where the plain step's compiled peak is at
+#: least ``1 - PLAIN_ERROR`` of its prediction, i.e. where the model over-predicts it by at
+#: most ``1 / (1 - PLAIN_ERROR) - 1`` (0.20: 25%). Measured (``python -m
+#: benchmarks.prediction --sizes bench``): the zoo's steps at most 2.9% over on CPU and the
+#: H100 target; the corpus of other people's train steps (``--models corpus:...``,
+#: benchmarks/results/prediction_corpus/prediction.json) up to 16.9% over on the H100
+#: target (transformers' GPT-2 small; equinox's BatchNorm CNN 12.3%) and 19.2% on CPU
+#: (keras' MobileNetV2), past the 11.1% that the earlier bound of 0.10 covered: a plan
+#: compiled between the plain step's peak and 90% of its prediction would have been kept
+#: above the plain step (equinox's CNN has one, 0.11 MiB above it). A platform not listed
+#: always compiles the plain step.
+PLAIN_ERROR: dict[str, float] = {"cpu": 0.20, "cuda": 0.20, "gpu": 0.20, "tpu": 0.20}
 
 #: Below this predicted plain peak the plain step is always compiled (side by side with the
 #: first candidates): the bound above was measured on the zoo's bench steps (50 MiB and
