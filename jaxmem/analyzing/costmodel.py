@@ -150,7 +150,7 @@ class CostModel:
         self.analysis = analysis
         self.profile = DeviceProfile.get(profile)
         prog = self.program = analysis.program
-        self.mat = materialised(prog, analysis.platform)
+        self.mat = materialised(prog, analysis.platform, fold_dots=False)
         self.residual_ids = frozenset(r.value for r in analysis.residuals)
         self.activations = frozenset(r.value for r in analysis.residuals if r.is_activation)
         # Stored values the planner may drop (residual activations and anchors the rewrite

@@ -41,8 +41,8 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["PLATFORMS", "expansion_bytes", "fuses_into_gemm", "is_expensive", "makes_buffer",
-           "normalise_platform", "padded_bytes", "upcast_bytes"]
+__all__ = ["PLATFORMS", "expansion_bytes", "folds_into_dot", "fuses_into_gemm", "is_expensive",
+           "makes_buffer", "normalise_platform", "padded_bytes", "upcast_bytes"]
 
 #: Floating-point primitives XLA's base fusion pass will not duplicate.
 _EXPENSIVE = frozenset({
@@ -85,6 +85,18 @@ def fuses_into_gemm(primitive: str, dtype: str, from_inputs: tuple[bool, ...],
     (a weight's bf16 cast, shared by the forward and backward matmuls) is stored."""
     return (normalise_platform(platform) == "cuda" and primitive == "convert_element_type"
             and dtype in _HALF and not any(from_inputs))
+
+
+def folds_into_dot(primitive: str, platform: str = "cpu") -> bool:
+    """Whether XLA on ``platform`` folds a ``primitive`` value into the matmuls that read
+    it instead of storing it: on XLA:GPU, a transpose, which the GEMM fusion (Triton or
+    cuBLAS) reads in the layout it has (``gemm_fusion_dot`` with the weight as a
+    ``bitcast`` operand). transformers' Flax GPT-2 multiplies by ``kernel.T`` in each of
+    its 48 projections and by the tied embedding's transpose for the logits; its compiled
+    module on the H100 target keeps none of those transposes (``python -m
+    benchmarks.prediction_why``'s dumps), where storing them was 470 MiB of the plain
+    step's 485 MiB over-prediction."""
+    return normalise_platform(platform) == "cuda" and primitive == "transpose"
 
 
 #: Primitives XLA:CPU computes in f32 whatever their operands' precision.

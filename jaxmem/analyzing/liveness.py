@@ -19,6 +19,7 @@ import numpy as np
 from jaxmem import _jax
 from jaxmem.analyzing.fusion import (
     expansion_bytes,
+    folds_into_dot,
     fuses_into_gemm,
     is_expensive,
     makes_buffer,
@@ -38,7 +39,8 @@ def _is_reduction(name: str) -> bool:
     return name.startswith(_REDUCTIONS)
 
 
-def materialised(program: Program, platform: str = "cpu") -> list[bool]:
+def materialised(program: Program, platform: str = "cpu", *, fold_dots: bool = True
+                 ) -> list[bool]:
     """Per value: whether XLA is expected to give it a buffer of its own (fusion model).
 
     Non-fusible outputs (matmuls, convolutions, units), reductions and program outputs get a
@@ -72,9 +74,10 @@ def materialised(program: Program, platform: str = "cpu") -> list[bool]:
             continue
         avail = (not is_expensive(node.primitive, v.dtype, platform)
                  and all(mat[a] or dup[a] for a in node.inputs))
-        gemm = fuses_into_gemm(node.primitive, v.dtype,
-                               tuple(values[a].producer is None for a in node.inputs),
-                               platform)
+        gemm = (fuses_into_gemm(node.primitive, v.dtype,
+                                tuple(values[a].producer is None for a in node.inputs),
+                                platform)
+                or (fold_dots and folds_into_dot(node.primitive, platform)))
         for i in rd:
             u = program.nodes[i]
             if gemm and u.primitive == "dot_general":
