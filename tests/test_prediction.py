@@ -91,6 +91,38 @@ def test_gpu_gemm_fusions_take_activation_conversions():
     assert cpu[probs.outputs[0]] and cpu[weight.outputs[0]]
 
 
+def test_gpu_gemms_read_a_transposed_weight_in_place():
+    """XLA:GPU folds a transpose read only by matmuls into them (GPT-2's ``x @ kernel.T``):
+    no buffer of its own, so a transposed weight read again by the backward matmul is not
+    counted twice; XLA:CPU's figure stores it, and so does the cost model's view of the
+    residuals (``fold_dots=False``)."""
+    from jaxmem.program import trace
+
+    from jaxmem.analyzing.liveness import liveness, materialised
+
+    assert fusion.folds_into_dot("transpose", "cuda")
+    assert not fusion.folds_into_dot("transpose", "cpu")
+    assert not fusion.folds_into_dot("reshape", "cuda")
+
+    def loss(w1, w2, x):  # two layers: the backward matmul reads w2.T again
+        return jax.numpy.tanh(jax.numpy.tanh(x @ w1.T) @ w2.T).sum()
+
+    w = jax.ShapeDtypeStruct((1024, 1024), jax.numpy.float32)
+    x = jax.ShapeDtypeStruct((8, 1024), jax.numpy.float32)
+    prog = trace(jax.grad(loss, argnums=(0, 1)), w, w, x)
+    ts = [n.outputs[0] for n in prog.nodes if n.primitive == "transpose"
+          and prog.values[n.inputs[0]].producer is None]
+    assert ts and all({prog.nodes[i].primitive for i in prog.users[t]} == {"dot_general"}
+                      for t in ts)
+    assert not any(materialised(prog, "cuda")[t] for t in ts)
+    assert all(materialised(prog, "cuda", fold_dots=False)[t] for t in ts)
+    assert all(materialised(prog, "cpu")[t] for t in ts)
+    folded = liveness(prog, platform="cuda")[1]
+    stored = liveness(prog, platform="cuda", fold_dots=False)[1]
+    # w2.T (4 MiB) lives from the forward to the backward matmul that reads it again
+    assert max(s - f for s, f in zip(stored, folded, strict=True)) >= 4 * 2**20
+
+
 #: H100-target steps whose default first compiles miss the compiled best by more than 1%,
 #: and by how much at most (%): docs/first_call.md, "A plan the model puts far up joins ...".
 #: The zoo MLP at bench size: the cost model and the rewritten liveness both put

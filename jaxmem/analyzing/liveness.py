@@ -43,6 +43,10 @@ def materialised(program: Program, platform: str = "cpu", *, fold_dots: bool = T
                  ) -> list[bool]:
     """Per value: whether XLA is expected to give it a buffer of its own (fusion model).
 
+    ``fold_dots``: a value the target folds into the matmuls reading it
+    (:func:`~jaxmem.analyzing.fusion.folds_into_dot`) gets none (False: counted as stored,
+    the cost model's view of the residuals).
+
     Non-fusible outputs (matmuls, convolutions, units), reductions and program outputs get a
     buffer. An elementwise or layout value read only by elementwise nodes is fused into its
     readers. If a reader sits in another phase (a residual), XLA duplicates the producer there
@@ -210,7 +214,7 @@ def _scan_upcasts(node: Node, platform: str) -> int:
 
 def liveness(program: Program, *, count_inputs: bool = True,
              donated: Iterable[int] = (), device_only: bool = False,
-             platform: str = "cpu", in_place: Iterable[int] = ()
+             platform: str = "cpu", in_place: Iterable[int] = (), fold_dots: bool = True
              ) -> tuple[int, tuple[int, ...], int]:
     """Predicted ``(peak, live bytes after each node, output bytes)``.
 
@@ -220,10 +224,11 @@ def liveness(program: Program, *, count_inputs: bool = True,
     ``device_only``: values placed in host memory keep their lifetimes but are not counted.
     ``platform``: the compiler's fusion rules and conversions (:mod:`jaxmem.analyzing.fusion`);
     ``in_place``: positions among the outputs written into buffers counted elsewhere.
+    ``fold_dots``: :func:`materialised`'s.
     Nodes run in :func:`jaxmem.analyzing.schedule.schedule`'s order.
     """
     nodes, values = program.nodes, program.values
-    mat = materialised(program, platform)
+    mat = materialised(program, platform, fold_dots=fold_dots)
     end = len(nodes)
     arg_bytes = sum(values[i].nbytes for i in program.inputs) if count_inputs else 0
     # Outputs that are inputs or constants get an output buffer of their own (a copy).

@@ -58,12 +58,13 @@ from jaxmem.xla.measure import Figures, fmt_bytes, lowest
 #: most ``1 / (1 - PLAIN_ERROR) - 1`` (0.20: 25%). Measured (``python -m
 #: benchmarks.prediction --sizes bench``): the zoo's steps at most 2.9% over on CPU and the
 #: H100 target; the corpus of other people's train steps (``--models corpus:...``,
-#: benchmarks/results/prediction_corpus/prediction.json) up to 16.9% over on the H100
-#: target (transformers' GPT-2 small; equinox's BatchNorm CNN 12.3%) and 19.2% on CPU
-#: (keras' MobileNetV2), past the 11.1% that the earlier bound of 0.10 covered: a plan
-#: compiled between the plain step's peak and 90% of its prediction would have been kept
-#: above the plain step (equinox's CNN has one, 0.11 MiB above it). A platform not listed
-#: always compiles the plain step.
+#: benchmarks/results/prediction_corpus/prediction.json) up to 12.3% over on the H100
+#: target (equinox's BatchNorm CNN; transformers' GPT-2 small was 16.9% before
+#: :func:`~jaxmem.analyzing.fusion.folds_into_dot`) and 19.2% on CPU (keras' MobileNetV2),
+#: past the 11.1% that the earlier bound of 0.10 covered: a plan compiled between the plain
+#: step's peak and 90% of its prediction would have been kept above the plain step
+#: (equinox's CNN has one, 0.11 MiB above it). A platform not listed always compiles the
+#: plain step.
 PLAIN_ERROR: dict[str, float] = {"cpu": 0.20, "cuda": 0.20, "gpu": 0.20, "tpu": 0.20}
 
 #: Below this predicted plain peak the plain step is always compiled (side by side with the
