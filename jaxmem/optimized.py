@@ -254,7 +254,7 @@ def optimize(fn: Callable[..., Any] | None = None, *, budget: Any = None,
         block: :func:`jaxmem.planning.strategies.auto_candidates`) by the peak jaxmem's
         cost model predicts, compile the best predicted in full (with any the model ties
         with it, and the one whose rewritten step is predicted lowest), and run the first
-        that compiles more than the model's error bound for the target (10%) below the
+        that compiles more than the model's error bound for the target (20%) below the
         plain step's *predicted* peak, or else below its *compiled* peak (the plain step
         then compiled too); the next best only when it does not (at most three plans).
         What runs has been compiled and checked against the plain step, and is the
