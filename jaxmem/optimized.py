@@ -268,7 +268,9 @@ def optimize(fn: Callable[..., Any] | None = None, *, budget: Any = None,
         nor those built-ins on the step's compiler. ``"all"``: the same with every
         candidate plan compiled. ``"predicted"``: ``True``'s earlier name.
         ``"background"``: the first call compiles and runs MEDL's auto plan alone
-        (unverified, as ``verify=False`` would), then the candidates and the plain step
+        (unverified, as ``verify=False`` would, where it compiles below the plain step's
+        predicted peak by the model's error bound; else it waits for the verification),
+        then the candidates and the plain step
         compile in a thread while later calls run; the lowest takes over at the first call
         after that (logged at INFO, noted in the plan) and goes to the plan cache, so a
         restart starts on it (it verifies as ``"builtins"`` does: the compiles are off the

@@ -13,7 +13,7 @@ import pytest
 
 import jaxmem
 from jaxmem import plan_cache
-from jaxmem.compiling import background, choose
+from jaxmem.compiling import background, choose, predicted
 from jaxmem.planning import strategies
 from tests.test_plan_cache import step  # the residual tanh/gelu stack: plans to choose from
 
@@ -33,7 +33,10 @@ def _fresh_plans():
     plan_cache.clear_memory()
 
 
-def test_background_verification_ends_on_the_verified_plan(caplog):
+def test_background_verification_ends_on_the_verified_plan(caplog, monkeypatch):
+    # the bar without the model's error bound: this small step's plan is below its predicted
+    # plain peak, not 20% below (the bound is tested below)
+    monkeypatch.setattr(predicted, "PLAIN_ERROR", {"cpu": 0.0})
     ref = jax.jit(step)(WS, X)
     verified = jaxmem.optimize(step, donate_argnums=(), verify="builtins").plan(WS, X)
     plan_cache.clear_memory()
@@ -102,6 +105,28 @@ def test_a_first_plan_above_the_plain_prediction_waits_for_verification(monkeypa
     assert entry.pending is None and entry.verify_later is None  # verified, then ran
     assert "verified before the first call" in entry.plan.notes[-1]
     assert entry.plan.compiled is not None
+
+
+def test_the_first_plans_bar_is_the_plain_prediction_less_the_error_bound(monkeypatch):
+    """An unverified plan runs first only where verify=True's predicted check would keep it:
+    below the plain step's predicted peak by ``PLAIN_ERROR`` (the corpus over-predicts plain
+    steps by up to 19%); a plan within that waits for its verification."""
+    monkeypatch.setattr(predicted, "PLAIN_ERROR", {"cpu": 0.0})
+    bg = jaxmem.optimize(step, donate_argnums=(), verify="background")
+    bg(WS, X)
+    entry = next(iter(bg._cache.values()))
+    assert entry.pending is not None  # below the bare prediction: runs unverified first
+    peak = entry.compiled and jaxmem.measure.figures(entry.compiled).peak
+    bar = entry.plain_predicted
+    bg.plan(WS, X)
+    plan_cache.clear_memory()
+    # a bound that puts the bar just below this plan's peak: it verifies first
+    monkeypatch.setattr(predicted, "PLAIN_ERROR", {"cpu": 1 - 0.99 * peak / bar})
+    bg = jaxmem.optimize(step, donate_argnums=(), verify="background")
+    _close(bg(WS, X), jax.jit(step)(WS, X))
+    entry = next(iter(bg._cache.values()))
+    assert entry.pending is None and entry.plain_predicted < peak
+    assert "verified before the first call" in entry.plan.notes[-1]
 
 
 def test_verify_must_be_one_of_its_options():

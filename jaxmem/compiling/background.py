@@ -130,8 +130,14 @@ def schedule(entry: Entry, step: Step, verify: Callable[[Step], tuple[Plan, Any]
             plan_cache.store(key, best)
         return best, step.running(best), exe
     entry.verify_later = verify_later
-    entry.plain_predicted = from_program(step.program, donated=step.donate_flat,
-                                         platform=step.platform).peak_bytes
+    predicted = from_program(step.program, donated=step.donate_flat,
+                             platform=step.platform).peak_bytes
+    # the bar verify=True's predicted check uses: below the plain step's predicted peak by
+    # the model's error bound on this platform (none listed: no unverified plan runs)
+    from jaxmem.compiling.predicted import PLAIN_ERROR  # (predicted -> choose -> here)
+
+    bound = PLAIN_ERROR.get(step.platform)
+    entry.plain_predicted = 0 if bound is None else int(predicted * (1 - bound))
 
 
 def start(entry: Entry) -> None:
@@ -147,9 +153,10 @@ def verify_first_if_no_better(entry: Entry) -> None:
         return
     peak = measure.figures(entry.compiled).peak
     if peak >= entry.plain_predicted:  # unverified and no better: verify first
-        log.info("jaxmem: the unverified %r plan compiled to %s, not below the "
-                 "plain step's predicted %s: verifying before the first call",
-                 entry.plan.strategy, fmt_bytes(peak), fmt_bytes(entry.plain_predicted))
+        log.info("jaxmem: the unverified %r plan compiled to %s, not below %s (the plain "
+                 "step's predicted peak less the model's error bound): verifying before "
+                 "the first call", entry.plan.strategy, fmt_bytes(peak),
+                 fmt_bytes(entry.plain_predicted))
         adopt(entry, wait=True)
 
 
@@ -174,7 +181,8 @@ def adopt(entry: Entry, wait: bool = False) -> None:
     note = (f"verified in the background: ran the unverified {entry.plan.strategy!r} plan "
             f"for the first {entry.calls} call(s), then this one" if entry.calls else
             f"verified before the first call: the unverified {entry.plan.strategy!r} plan "
-            "did not compile below the plain step's predicted peak")
+            "did not compile below the plain step's predicted peak by the model's error "
+            "bound (PLAIN_ERROR)")
     log.info("jaxmem: %s (%s)", note, plan.strategy)
     entry.plan = dataclasses.replace(plan, notes=plan.notes + (note,))
     entry.jitted, entry.compiled, entry.placed = jitted, compiled, {}

@@ -41,7 +41,9 @@ class Entry:
     # It starts once the first call's own executable is compiled and running (verify_later),
     # so that the two compiles do not share the cores.
     verify_later: Callable[[], Any] | None = None
-    plain_predicted: int | None = None  # the plain step's predicted peak: the first plan's bar
+    # the first plan's bar: the plain step's predicted peak less the model's error bound
+    # (predicted.PLAIN_ERROR), as verify=True's predicted check
+    plain_predicted: int | None = None
     pending: concurrent.futures.Future | None = None
     calls: int = 0  # calls run so far (for the log line that says when a plan was adopted)
     # The plan cache key the plan is stored under (None: not cached): the figures the report
