@@ -115,11 +115,13 @@ def stand_ins(tree: Any) -> Any:
 
 
 def schedule(entry: Entry, step: Step, verify: Callable[[Step], tuple[Plan, Any]],
-             key: str | None, notes: tuple[str, ...]) -> None:
+             key: str | None, notes: tuple[str, ...], bound: float | None) -> None:
     """Leave ``entry``'s verification for later: ``verify(step)`` (the step on stand-ins
     of its arguments) gives the verified plan and its executable, which gets ``notes``
     and goes to the plan cache under ``key``. It starts after the first call's compile
-    (:func:`start`); the plain step's predicted peak is the first plan's bar."""
+    (:func:`start`); the first plan's bar is the plain step's predicted peak less
+    ``bound`` of it (the model's error bound on the step's platform,
+    :data:`jaxmem.compiling.predicted.PLAIN_ERROR`; None: no unverified plan runs)."""
     stand = stand_ins(step.args)
     on_stand_ins = dataclasses.replace(step, args=stand, flat=jax.tree_util.tree_leaves(stand))
 
@@ -132,11 +134,6 @@ def schedule(entry: Entry, step: Step, verify: Callable[[Step], tuple[Plan, Any]
     entry.verify_later = verify_later
     predicted = from_program(step.program, donated=step.donate_flat,
                              platform=step.platform).peak_bytes
-    # the bar verify=True's predicted check uses: below the plain step's predicted peak by
-    # the model's error bound on this platform (none listed: no unverified plan runs)
-    from jaxmem.compiling.predicted import PLAIN_ERROR  # (predicted -> choose -> here)
-
-    bound = PLAIN_ERROR.get(step.platform)
     entry.plain_predicted = 0 if bound is None else int(predicted * (1 - bound))
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 
 from jaxmem.analyzing.analysis import Analysis, from_program
-from jaxmem.compiling import background, choose, donation, plan_cache, steps
+from jaxmem.compiling import background, choose, donation, plan_cache, predicted, steps
 from jaxmem.compiling.entry import Entry
 from jaxmem.compiling.offload_verify import check_offload
 from jaxmem.compiling.options import Options
@@ -69,9 +69,11 @@ def build(opt: Any, options: Options, fn: Callable[..., Any], args: tuple[Any, .
                   plain=step.plain, compiled=compiled, static_out=bound.static_out,
                   host_state=host_state, cache_key=None if deferred else key)
     if deferred:
+        # the first plan's bar: verify=True's predicted check (the model's error bound)
         background.schedule(entry, step,
                             lambda on: choose.verified(first, analysis, on, options),
-                            key, traced.lean_notes + not_donated)
+                            key, traced.lean_notes + not_donated,
+                            predicted.PLAIN_ERROR.get(step.platform))
     return entry
 
 
