@@ -3,7 +3,6 @@ in a thread, and the verified plan takes over once it is ready."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import jax
@@ -13,7 +12,7 @@ import pytest
 
 import jaxmem
 from jaxmem import plan_cache
-from jaxmem.compiling import background, choose, predicted
+from jaxmem.compiling import choose, predicted
 from jaxmem.planning import strategies
 from tests.test_plan_cache import step  # the residual tanh/gelu stack: plans to choose from
 
@@ -93,12 +92,8 @@ def test_a_failed_background_verification_keeps_the_running_plan(monkeypatch, ca
 
 
 def test_a_first_plan_above_the_plain_prediction_waits_for_verification(monkeypatch):
-    real = background.from_program
-
-    def low_bar(program, **kw):  # the plain step predicted at one byte: no plan is below it
-        a = real(program, **kw)
-        return dataclasses.replace(a, peak_bytes=1) if kw else a
-    monkeypatch.setattr(background, "from_program", low_bar)
+    # an error bound of the whole prediction: the bar is 0 bytes, no plan is below it
+    monkeypatch.setattr(predicted, "PLAIN_ERROR", {"cpu": 1.0})
     bg = jaxmem.optimize(step, donate_argnums=(), verify="background")
     _close(bg(WS, X), jax.jit(step)(WS, X))
     entry = next(iter(bg._cache.values()))
@@ -117,7 +112,7 @@ def test_the_first_plans_bar_is_the_plain_prediction_less_the_error_bound(monkey
     entry = next(iter(bg._cache.values()))
     assert entry.pending is not None  # below the bare prediction: runs unverified first
     peak = entry.compiled and jaxmem.measure.figures(entry.compiled).peak
-    bar = entry.plain_predicted
+    bar = entry.first_plan_bar
     bg.plan(WS, X)
     plan_cache.clear_memory()
     # a bound that puts the bar just below this plan's peak: it verifies first
@@ -125,7 +120,7 @@ def test_the_first_plans_bar_is_the_plain_prediction_less_the_error_bound(monkey
     bg = jaxmem.optimize(step, donate_argnums=(), verify="background")
     _close(bg(WS, X), jax.jit(step)(WS, X))
     entry = next(iter(bg._cache.values()))
-    assert entry.pending is None and entry.plain_predicted < peak
+    assert entry.pending is None and entry.first_plan_bar < peak
     assert "verified before the first call" in entry.plan.notes[-1]
 
 

@@ -23,7 +23,6 @@ from typing import Any
 import jax
 
 from jaxmem import _jax
-from jaxmem.analyzing.analysis import from_program
 from jaxmem.compiling import plan_cache
 from jaxmem.compiling.entry import Entry
 from jaxmem.compiling.options import Options
@@ -115,13 +114,12 @@ def stand_ins(tree: Any) -> Any:
 
 
 def schedule(entry: Entry, step: Step, verify: Callable[[Step], tuple[Plan, Any]],
-             key: str | None, notes: tuple[str, ...], bound: float | None) -> None:
+             key: str | None, notes: tuple[str, ...], bar: int) -> None:
     """Leave ``entry``'s verification for later: ``verify(step)`` (the step on stand-ins
     of its arguments) gives the verified plan and its executable, which gets ``notes``
     and goes to the plan cache under ``key``. It starts after the first call's compile
-    (:func:`start`); the first plan's bar is the plain step's predicted peak less
-    ``bound`` of it (the model's error bound on the step's platform,
-    :data:`jaxmem.compiling.predicted.PLAIN_ERROR`; None: no unverified plan runs)."""
+    (:func:`start`); the first plan runs unverified only where it compiles below ``bar``
+    (:func:`verify_first_if_no_better`)."""
     stand = stand_ins(step.args)
     on_stand_ins = dataclasses.replace(step, args=stand, flat=jax.tree_util.tree_leaves(stand))
 
@@ -132,9 +130,7 @@ def schedule(entry: Entry, step: Step, verify: Callable[[Step], tuple[Plan, Any]
             plan_cache.store(key, best)
         return best, step.running(best), exe
     entry.verify_later = verify_later
-    predicted = from_program(step.program, donated=step.donate_flat,
-                             platform=step.platform).peak_bytes
-    entry.plain_predicted = 0 if bound is None else int(predicted * (1 - bound))
+    entry.first_plan_bar = bar
 
 
 def start(entry: Entry) -> None:
@@ -144,16 +140,17 @@ def start(entry: Entry) -> None:
 
 
 def verify_first_if_no_better(entry: Entry) -> None:
-    """After the first compile: an unverified plan that compiled no lower than the plain
-    step's predicted peak waits for its verification before the first call runs."""
-    if entry.verify_later is None or entry.plain_predicted is None:
+    """After the first compile: an unverified plan that compiled no lower than its bar
+    (the plain step's predicted peak less the model's error bound) waits for its
+    verification before the first call runs."""
+    if entry.verify_later is None or entry.first_plan_bar is None:
         return
     peak = measure.figures(entry.compiled).peak
-    if peak >= entry.plain_predicted:  # unverified and no better: verify first
+    if peak >= entry.first_plan_bar:  # unverified and no better: verify first
         log.info("jaxmem: the unverified %r plan compiled to %s, not below %s (the plain "
                  "step's predicted peak less the model's error bound): verifying before "
                  "the first call", entry.plan.strategy, fmt_bytes(peak),
-                 fmt_bytes(entry.plain_predicted))
+                 fmt_bytes(entry.first_plan_bar))
         adopt(entry, wait=True)
 
 

@@ -69,11 +69,13 @@ def build(opt: Any, options: Options, fn: Callable[..., Any], args: tuple[Any, .
                   plain=step.plain, compiled=compiled, static_out=bound.static_out,
                   host_state=host_state, cache_key=None if deferred else key)
     if deferred:
-        # the first plan's bar: verify=True's predicted check (the model's error bound)
+        # the first plan's bar: verify=True's predicted check, the step's predicted plain
+        # peak less the model's error bound (none for the platform: it always verifies)
+        bound = predicted.PLAIN_ERROR.get(step.platform)
         background.schedule(entry, step,
                             lambda on: choose.verified(first, analysis, on, options),
                             key, traced.lean_notes + not_donated,
-                            predicted.PLAIN_ERROR.get(step.platform))
+                            0 if bound is None else int(analysis.peak_bytes * (1 - bound)))
     return entry
 
 

@@ -42,8 +42,8 @@ class Entry:
     # so that the two compiles do not share the cores.
     verify_later: Callable[[], Any] | None = None
     # the first plan's bar: the plain step's predicted peak less the model's error bound
-    # (predicted.PLAIN_ERROR), as verify=True's predicted check
-    plain_predicted: int | None = None
+    # (predicted.PLAIN_ERROR), as verify=True's predicted check (build.build sets it)
+    first_plan_bar: int | None = None
     pending: concurrent.futures.Future | None = None
     calls: int = 0  # calls run so far (for the log line that says when a plan was adopted)
     # The plan cache key the plan is stored under (None: not cached): the figures the report
