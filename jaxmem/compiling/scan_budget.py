@@ -180,12 +180,12 @@ def _dominated(cands: Sequence[BodyCandidate], profile: Any = None) -> list[Body
     return out
 
 
-#: How far above the budget a cheaper candidate (more bytes kept) must be predicted for
-#: :func:`choose` to leave it uncompiled once a candidate predicted to fit has compiled
-#: within the budget. The prediction is the candidate's kept bytes plus the lowest
-#: ``compiled peak - kept bytes`` seen (the plain step's against the most kept bytes
-#: included); on the zoo's scanned GPT at bench size, H100 target, that difference was
-#: 23.4 to 33.2 MiB over four candidates of 14 to 175 MiB kept (peaks 45 to 198 MiB).
+#: How far above the budget a candidate must be predicted for :func:`choose` (with a plain
+#: peak, :func:`_predicted_search`) to leave it uncompiled. The prediction that rules out
+#: is the candidate's kept bytes plus the lowest ``compiled peak - kept bytes`` seen (the
+#: plain step's against the most kept bytes included); on the zoo's scanned GPT at bench
+#: size, H100 target, that difference was 23.4 to 33.2 MiB over four candidates of 14 to
+#: 175 MiB kept (peaks 45 to 198 MiB).
 SKIP_ABOVE = 0.25
 
 
@@ -202,12 +202,12 @@ def choose(cands: Sequence[BodyCandidate], compile_with: Callable[[BodyPolicy], 
     (if it does not fit, nothing does, and it is chosen with ``fits=False``), then halves.
 
     With ``plain_peak`` (the step's compiled peak with nothing re-run in its scan bodies)
-    the peak of each candidate is first predicted as its kept bytes plus what the plain
-    step holds beside the most kept bytes, and the cheapest candidate predicted to fit is
-    compiled first; where it fits, the next cheaper ones are compiled only while they are
-    not predicted more than :data:`SKIP_ABOVE` above the budget (by the lowest difference
-    seen), so one or two compiles usually settle it; a compile that misses its prediction
-    raises the next one's (:func:`_predicted_search`).
+    the peak of each candidate is predicted as its kept bytes plus a ``peak - kept`` term
+    (the plain step's beside the most kept bytes, then each compiled candidate's): between
+    the last candidate known not to fit and the first known to fit, only those the lowest
+    term puts within :data:`SKIP_ABOVE` of the budget are compiled, the cheapest predicted
+    to fit by the highest term first, and the middle one after a compile that missed its
+    prediction (:func:`_predicted_search`).
     """
     debug = os.environ.get("JAXMEM_BUDGET_DEBUG")
     front = _dominated(cands, profile)
