@@ -152,6 +152,26 @@ def test_a_ranked_block_search_compiles_the_cheapest_predicted_fit_first_and_lea
     tried: list[str] = []
     none = ranked_block_plan(model, analysis, low, compiler(tried))
     assert none.plan is None and none.compiles == len(tried) == 1, tried
+    # the rewritten steps' own liveness (here: the compiled peak itself) orders the plans
+    # the model says fit: the first compile is the fewest-FLOPs plan both predict fits,
+    # and the miss the model alone walked into is not compiled
+    told: list[str] = []
+    found3 = ranked_block_plan(model, analysis, budget, compiler(told),
+                               rewritten=lambda p: int(1.4 * predicted_peak(model, p)))
+    assert found3.figures.peak <= budget and told[0] == blk_runs[-1], (told, ranked)
+    assert len([s for s in told if "re-saved" not in s]) == 1, told
+    # where no rewritten step is predicted within the budget, the model's order holds (an
+    # untraceable rewrite, None, rules nothing out; nor does one just over the budget) ...
+    for say in (lambda p: None, lambda p: int(1.2 * budget)):
+        log: list[str] = []
+        ranked_block_plan(model, analysis, budget, compiler(log), rewritten=say)
+        assert log == ranked, (log, ranked)
+    # ... and a plan predicted above the budget by more than REWRITTEN_OVER is not compiled
+    from jaxmem.planning.budget.fallbacks import REWRITTEN_OVER
+    log = []
+    out = ranked_block_plan(model, analysis, budget, compiler(log),
+                            rewritten=lambda p: int(REWRITTEN_OVER * budget) + 1)
+    assert log == [] and out.plan is None and out.compiles == 0
 
 
 def test_plan_over_rules_nothing_out_where_the_model_sees_a_loop_whole():

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from jaxmem.analyzing.analysis import Analysis
+from jaxmem.analyzing.liveness import liveness
 from jaxmem.analyzing.losses import logits_notes
 from jaxmem.analyzing.tags import offload_tagged
 from jaxmem.compiling import background, choose, plan_cache, predicted
@@ -34,6 +35,7 @@ from jaxmem.planning.budget.units import TooLargeToCompile
 from jaxmem.planning.costs import step_costs
 from jaxmem.planning.plan import Plan
 from jaxmem.rewriting.scans import loop_plan
+from jaxmem.tracing.program import from_jaxpr
 from jaxmem.xla import measure, targets
 from jaxmem.xla.measure import Figures
 
@@ -68,6 +70,9 @@ class _Compiles:
         self.stream = stream
         self.kept: dict[Any, tuple[Any, Figures]] = {}  # rewrite key -> (executable, figures)
         self._plain: tuple[Any, Figures] | None = None
+        # (rewrite key, traced) of the last plan :meth:`rewritten` traced: compiled without
+        # tracing it again when the search picks it (one held, not one per plan)
+        self._traced: tuple[Any, Any] | None = None
 
     def _streamed(self, jitted: Any) -> tuple[Any, list[Any]]:
         return self.stream(jitted) if self.stream else (jitted, self.step.flat)
@@ -75,7 +80,11 @@ class _Compiles:
     def plan(self, p: Plan) -> Figures:
         jitted, flat = self._streamed(self.step.rewrite(p))
         key = rewrite_key(p)
-        traced = jitted.trace(*flat)
+        if self._traced is not None and self._traced[0] == key:
+            traced = self._traced[1]
+        else:
+            traced = jitted.trace(*flat)
+        self._traced = None
         # sized first: the search's own plans (greedy, exact) and MEDL's, which replays
         # chains region by region (3.3x the step on the lm1b-width GPT-2 decoder)
         _check_size(traced.jaxpr, len(self.step.program.nodes))
@@ -86,6 +95,21 @@ class _Compiles:
             self.kept = {k: v for k, v in self.kept.items() if not _beats(fig, v[1])}
             self.kept[key] = (exe, fig)
         return fig
+
+    def rewritten(self, p: Plan) -> int | None:
+        """The peak the liveness model predicts for ``p``'s rewritten step, as compiled
+        here (streamed where it streams); None where it cannot be traced (the compile will
+        say why)."""
+        try:
+            jitted, flat = self._streamed(self.step.rewrite(p))
+            traced = jitted.trace(*flat)
+            if too_large(traced.jaxpr, len(self.step.program.nodes)) is not None:
+                return None     # not compiled either (plan() says why)
+            self._traced = (rewrite_key(p), traced)
+            return liveness(from_jaxpr(traced.jaxpr), donated=self.step.donate_flat,
+                            platform=self.step.platform)[0]
+        except Exception:  # noqa: BLE001 - an ordering hint only: the plan is compiled as before
+            return None
 
     def plain(self) -> Figures:
         # The plain step is the same program however often a search asks: compiled once
@@ -221,7 +245,7 @@ def _within_budget(options: Options, analysis: Analysis, step: Step, auto: Plan,
                 compile_plan=plan_cache.progress(_shifted(c.plan, shift), "budget search"),
                 compile_plain=plan_cache.progress(_shifted(c.plain, shift), "budget search"),
                 device_peak=lambda p, fig: device_peak(program, p, fig, step.platform),
-                offload=options.offload, profile=profile)
+                offload=options.offload, profile=profile, rewritten=c.rewritten)
         except BudgetError as e:
             if not shift:
                 raise

@@ -64,9 +64,11 @@ class _Search:
                  compile_plain: Callable[[], Figures] | None, device_peak: DevicePeak | None,
                  offload: bool | str, solver: str, profile: DeviceProfile | str | None,
                  max_compiles: int, time_limit: float | None, node_limit: int = 5000,
-                 search: str = "ranked") -> None:
+                 search: str = "ranked",
+                 rewritten: Callable[[Plan], int | None] | None = None) -> None:
         t_start = time.perf_counter()
         self.analysis, self.auto, self.compile_plan = analysis, auto, compile_plan
+        self.rewritten = rewritten
         self.ranked = search == "ranked"
         # ranked: how far the model may over-predict a plan here (nothing ruled out: 1.0)
         self.over = plan_over(analysis) if self.ranked else None
@@ -216,7 +218,8 @@ class _Search:
         model's largest miss so far) or every block plan compiled (:func:`best_block_plan`)."""
         if self.ranked:
             return ranked_block_plan(self.model, self.analysis, self.requested,
-                                     self.compile_plan, ratio=self.tries.ratio())
+                                     self.compile_plan, ratio=self.tries.ratio(),
+                                     rewritten=self.rewritten if self.ranked else None)
         return best_block_plan(self.analysis, self.requested, self.compile_plan)
 
     def _stages(self) -> Iterator[str]:
@@ -289,7 +292,8 @@ def plan_with_budget(analysis: Analysis, budget: Any, *, auto: Plan | None = Non
                      offload: bool | str = False, solver: str | None = None,
                      profile: DeviceProfile | str | None = None,
                      max_compiles: int | None = None, time_limit: float | None = None,
-                     search: str | None = None) -> Plan:
+                     search: str | None = None,
+                     rewritten: Callable[[Plan], int | None] | None = None) -> Plan:
     """Plan ``analysis`` under ``budget``; compile in the loop when ``compile_plan`` is given.
 
     Args:
@@ -310,6 +314,9 @@ def plan_with_budget(analysis: Analysis, budget: Any, *, auto: Plan | None = Non
         ``True`` or ``"auto"`` (the planner weighs offload against recompute).
       solver, profile, max_compiles, time_limit, search: override the :class:`Budget`
         settings.
+      rewritten: ``plan -> bytes or None``, the peak the liveness model predicts for the
+        plan's rewritten step; the ranked block search compiles first the block plans it
+        predicts within the budget (:func:`~jaxmem.planning.budget.fallbacks.ranked_block_plan`).
 
     Raises:
       BudgetError: if no plan fits; ``.minimum_bytes`` is the lowest peak found.
@@ -320,4 +327,4 @@ def plan_with_budget(analysis: Analysis, budget: Any, *, auto: Plan | None = Non
         device_peak=device_peak, offload=offload, solver=solver or spec.solver,
         profile=profile, max_compiles=max_compiles or spec.max_compiles,
         time_limit=spec.time_limit if time_limit is None else time_limit,
-        node_limit=spec.node_limit, search=search or spec.search).run()
+        node_limit=spec.node_limit, search=search or spec.search, rewritten=rewritten).run()
