@@ -171,7 +171,8 @@ def test_a_ranked_block_search_compiles_the_cheapest_predicted_fit_first_and_lea
     log = []
     out = ranked_block_plan(model, analysis, budget, compiler(log),
                             rewritten=lambda p: int(REWRITTEN_OVER * budget) + 1)
-    assert log == [] and out.plan is None and out.compiles == 0
+    # (but the lowest of them is compiled once, for the lowest peak a block plan reaches)
+    assert len(log) == 1 and out.plan is None and out.compiles == 1
 
 
 def test_plan_over_rules_nothing_out_where_the_model_sees_a_loop_whole():

@@ -151,6 +151,31 @@ def test_the_plain_error_bound_covers_every_measured_over_prediction():
             assert r["compiled"] > r["predicted"] * (1 - bound), r
 
 
+def test_the_rewritten_step_bound_covers_every_measured_plan():
+    """The ranked budget search does not compile a block plan whose rewritten step the
+    liveness model puts above the budget by more than ``REWRITTEN_OVER``: sound only where
+    no plan compiled that far below its rewritten step's prediction. Every candidate plan
+    of the ``prediction --plans`` files (zoo and corpus, CPU and the H100 target) and every
+    block plan of ``budget_blocks-h100.json`` is within it."""
+    from jaxmem.planning.budget.fallbacks import REWRITTEN_OVER
+
+    plans = ("prediction/plans-cpu.json", "prediction/plans-h100.json",
+             "prediction/plans-cpu-test.json", "prediction/plans-h100-test.json",
+             "prediction/plans-cpu-more.json", "prediction_corpus/plans-h100.json",
+             "prediction_corpus/plans-h100-jraph.json",
+             "prediction_corpus/plans-h100-gpt2.json")
+    pairs = [(r["rewritten"], r["compiled"], f, r["candidate"]) for f in plans
+             for m in json.loads((ROOT / "benchmarks/results" / f).read_text())["models"]
+             for r in m["candidates"]
+             if r["kind"] == "plan" and r.get("rewritten") and r.get("compiled")]
+    blocks = json.loads((ROOT / "benchmarks/results/budget_blocks-h100.json").read_text())
+    pairs += [(r["rewritten"], r["compiled"], name, r["program"])
+              for name, rows in blocks["models"].items() for r in rows if "rewritten" in r]
+    assert len(pairs) >= 250
+    for rewritten, compiled, *where in pairs:
+        assert rewritten <= REWRITTEN_OVER * compiled, where
+
+
 def test_ranking_union_reads_the_plans_files():
     """``benchmarks.ranking_union`` over the committed ``prediction --plans`` files: the
     union of the cost model's three and the rewritten step's first never lands above either
