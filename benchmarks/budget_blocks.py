@@ -124,8 +124,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                          text=True).stdout.strip()
-    result = {"command": "python -m benchmarks.budget_blocks " + " ".join(
-                  sys.argv[1:] if argv is None else argv),
+    result = {"command": " ".join(["python -m benchmarks.budget_blocks",
+                                    *(sys.argv[1:] if argv is None else argv)]),
               "date": datetime.datetime.now(datetime.UTC).isoformat(
                   timespec="seconds"),
               "git_commit": git, "size": args.size, "target": args.target, "models": {}}
