@@ -12,7 +12,7 @@ every block plan the ranked budget search may compile
 - XLA's compiled peak and the compile's seconds (one at a time, in one process per model).
 
 Results: ``benchmarks/results/budget_blocks-<target>.{json,md}``; the ranked search's
-:data:`~jaxmem.planning.budget.fallbacks.REWRITTEN_OVER` is checked against them by
+:data:`~jaxmem.planning.budget.ranked_blocks.REWRITTEN_OVER` is checked against them by
 ``tests/test_prediction.py``.
 """
 

@@ -94,8 +94,8 @@ def test_a_ranked_block_search_compiles_the_cheapest_predicted_fit_first_and_lea
         best_block_plan,
         block_variants,
         predicted_peak,
-        ranked_block_plan,
     )
+    from jaxmem.planning.budget.ranked_blocks import ranked_block_plan
     from jaxmem.xla.measure import Figures
 
     def loss(ws, x):  # 3 stages of 2 blocks of 2 layers: blocks at three depths
@@ -168,7 +168,7 @@ def test_a_ranked_block_search_compiles_the_cheapest_predicted_fit_first_and_lea
         ranked_block_plan(model, analysis, budget, compiler(log), rewritten=say)
         assert log == ranked, (log, ranked)
     # ... and a plan predicted above the budget by more than REWRITTEN_OVER is not compiled
-    from jaxmem.planning.budget.fallbacks import REWRITTEN_OVER
+    from jaxmem.planning.budget.ranked_blocks import REWRITTEN_OVER
     log = []
     out = ranked_block_plan(model, analysis, budget, compiler(log),
                             rewritten=lambda p: int(REWRITTEN_OVER * budget) + 1)

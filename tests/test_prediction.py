@@ -157,7 +157,7 @@ def test_the_rewritten_step_bound_covers_every_measured_plan():
     no plan compiled that far below its rewritten step's prediction. Every candidate plan
     of the ``prediction --plans`` files (zoo and corpus, CPU and the H100 target) and every
     block plan of ``budget_blocks-h100.json`` is within it."""
-    from jaxmem.planning.budget.fallbacks import REWRITTEN_OVER
+    from jaxmem.planning.budget.ranked_blocks import REWRITTEN_OVER
 
     plans = ("prediction/plans-cpu.json", "prediction/plans-h100.json",
              "prediction/plans-cpu-test.json", "prediction/plans-h100-test.json",

@@ -183,7 +183,7 @@ def test_a_ranked_block_search_keeps_the_first_replayed_block_once():
     again would keep the next block: one compile more, the zoo Llama's same peak).
     Synthetic compiler: nothing fits, fewer re-created values compile lower."""
     from jaxmem.analyzing.costmodel import CostModel
-    from jaxmem.planning.budget.fallbacks import ranked_block_plan
+    from jaxmem.planning.budget.ranked_blocks import ranked_block_plan
     from jaxmem.xla.measure import Figures
 
     w = zoo.make("transformer", size="test")

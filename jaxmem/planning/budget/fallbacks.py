@@ -3,7 +3,8 @@
 Part of the third box of the data flow (``Analysis -> Plan`` under a budget). Each fallback
 compiles its candidates through the search's callbacks and returns the best that fits:
 
-- :func:`ranked_block_plan` — the same block plans ranked by the cost model and compiled
+- :func:`~jaxmem.planning.budget.ranked_blocks.ranked_block_plan` (its own module) — the
+  same block plans ranked by the cost model and the rewritten steps' liveness and compiled
   fewest-FLOPs-predicted-to-fit first, stopping at the first that fits (a budget's
   ``search="ranked"``, the default since issue 37);
 - :func:`best_block_plan` — ``jax.checkpoint(nothing_saveable)``-style block plans
@@ -32,9 +33,9 @@ from jaxmem.tracing.primitives import Kind
 from jaxmem.tracing.program import region_of
 from jaxmem.xla.measure import Figures, fmt_bytes
 
-__all__ = ["PLAN_OVER", "REWRITTEN_OVER", "DevicePeak", "Found", "best_block_plan", "block_model",
-           "block_offload_plan", "debug", "first_block_kept", "plan_over", "predicted_peak",
-           "ranked_block_plan", "resaved", "rewritten_rules_out"]
+__all__ = ["PLAN_OVER", "DevicePeak", "Found", "best_block_plan", "block_model",
+           "block_offload_plan", "block_variants", "debug", "first_block_kept", "plan_over",
+           "predicted_peak", "resaved"]
 
 _DEBUG = bool(os.environ.get("JAXMEM_BUDGET_DEBUG"))
 
@@ -144,34 +145,6 @@ def best_block_plan(analysis: Analysis, requested: int,
 #: listed: every plan may be compiled.
 PLAN_OVER: dict[str, float] = {"cpu": 0.30, "cuda": 0.0, "gpu": 0.0}
 
-#: The most the liveness model's peak of a plan's *rewritten step* was measured above the
-#: plan's compiled peak, times, with a margin: at most 1.279x over every candidate plan of
-#: the ``benchmarks.prediction --plans`` files (the zoo GPT's
-#: ``auto(regions=blocks at depth 2)`` on CPU; on the H100 target 1.249x) and over the
-#: budget search's block plans (1.211x, ``benchmarks/results/budget_blocks-h100.md``). A
-#: plan whose rewritten step is predicted above the budget by more than this cannot fit,
-#: and is not compiled (:func:`rewritten_rules_out`);
-#: ``tests/test_prediction.py::test_the_rewritten_step_bound_covers_every_measured_plan``
-#: holds it against those files.
-REWRITTEN_OVER = 1.30
-
-
-#: How many of the block plans the cost model predicts to fit (fewest FLOPs first) the
-#: ranked search traces to find those whose rewritten step is predicted to fit too (the
-#: zoo GPT's block plan that re-saves best is the fifth).
-SURE_SCAN = 6
-
-
-def rewritten_rules_out(rewritten: int | None, requested: int) -> bool:
-    """Whether a plan whose rewritten step the liveness model puts at ``rewritten`` bytes
-    (None: not traced) compiles above ``requested`` for sure: it is predicted above it by
-    more than :data:`REWRITTEN_OVER`."""
-    return rewritten is not None and rewritten > REWRITTEN_OVER * requested
-
-
-#: The most block plans a ranked search compiles before it gives up on them (the
-#: unfenced retries on an accelerator, when none fits, not counted).
-RANKED_BLOCK_COMPILES = 4
 
 
 def plan_over(analysis: Analysis) -> float:
@@ -217,168 +190,6 @@ def block_variants(analysis: Analysis) -> list[tuple[int, Plan]]:
                     out.append((depth, q))
     return out
 
-
-def ranked_block_plan(model: CostModel, analysis: Analysis, requested: int,
-                      compile_plan: Callable[[Plan], Figures], *, ratio: float = 1.0,
-                      max_compiles: int = RANKED_BLOCK_COMPILES,
-                      rewritten: Callable[[Plan], int | None] | None = None) -> Found:
-    """The block plans of :func:`block_variants`, ranked by the cost model
-    (:func:`predicted_peak`) instead of all compiled: the one with the fewest recompute
-    FLOPs among those predicted to fit is compiled first; a miss raises ``ratio`` (compiled
-    over predicted peak, the model's under-prediction on this step; ``ratio``'s start: the
-    search's earlier misses) and the next is chosen with it; the first that fits is the
-    answer (its headroom, divided by ``ratio``, spent on one round of re-saving, compiled
-    once: :func:`resaved`). When none is
-    predicted to fit, the lowest-predicted one not ruled out by :data:`PLAN_OVER` is
-    compiled, and the search stops once the lowest left is predicted above the budget by
-    more than :data:`PLAN_OVER` or by the smallest miss of the block plans compiled. At
-    most ``max_compiles`` block plans; on an accelerator, when none fits, the lowest
-    compiled is compiled again unfenced (and with its first-replayed block kept), as
-    :func:`best_block_plan` does with each.
-
-    ``rewritten`` (``plan -> bytes or None``): the peak the liveness model predicts for a
-    plan's rewritten step (:func:`jaxmem.compiling.choose.rewritten_peak`). Among the plans
-    the cost model predicts to fit, those whose rewritten step is predicted within the
-    budget too come first (traced for the first :data:`SURE_SCAN` in order of FLOPs; of
-    those, the one with the fewest FLOPs once its predicted headroom is re-saved); a
-    plan whose rewritten step is not predicted
-    within the budget is still compiled where no other is, unless it is predicted above
-    the budget by more than
-    :data:`REWRITTEN_OVER` (:func:`rewritten_rules_out`: not compiled, and the model's
-    miss on it, at least what that bound leaves, raises ``ratio``; where that rules out
-    every plan compiled, the one with the lowest rewritten step is compiled after all,
-    for the lowest peak reached). The cost model does
-    not see a block plan's regions re-created side by side and under-predicts every one
-    (the H100 target, bench size, 60 block plans of five steps: by 10% to 57%; the zoo
-    GPT's 10% to 31%, equinox's BatchNorm CNN's 37% to 57%); the rewritten step's liveness
-    is off by -33% to +21% on them (``python -m benchmarks.budget_blocks``,
-    ``benchmarks/results/budget_blocks-h100.md``)."""
-    over = plan_over(analysis)
-    c = _Checked(requested, compile_plan)
-    left = [(depth, p, predicted_peak(model, p)) for depth, p in block_variants(analysis)]
-    misses: list[float] = []    # compiled over predicted peak of the block plans compiled
-    seen: dict[int, int | None] = {}    # id(plan) -> its rewritten step's predicted peak
-    ruled: list[tuple[int, int, Plan]] = []  # (rewritten peak, depth, plan) not compiled
-
-    def rewritten_of(t: tuple) -> int | None:
-        if rewritten is None:
-            return None
-        if id(t[1]) not in seen:
-            seen[id(t[1])] = rewritten(t[1])
-            debug(f"(blocks, depth {t[0]}, {t[1].strategy}): model {fmt_bytes(t[2])}, "
-                  f"rewritten step {fmt_bytes(seen[id(t[1])] or 0)}")
-        return seen[id(t[1])]
-
-    def sure(t: tuple) -> bool:
-        """Whether ``t``'s rewritten step is predicted within the budget."""
-        r = rewritten_of(t)
-        return r is not None and r <= requested
-
-    while left and c.compiles < max_compiles and not c.fitting:
-        fit = sorted((t for t in left if t[2] * ratio <= requested),
-                     key=lambda t: (t[1].recompute_flops, t[2]))
-        if fit:
-            # the rewritten steps of the fewest-FLOPs few only (each is traced); of those
-            # predicted to fit, the one with the fewest FLOPs once the headroom its
-            # rewritten step leaves is re-saved (resaved() spends the compiled headroom)
-            sures = [t for t in fit[:SURE_SCAN] if sure(t)]
-            pick = min(sures, key=lambda t: (_resaved_flops(analysis, t[1], requested,
-                                                            seen[id(t[1])]),
-                                             t[1].recompute_flops)) if sures else fit[0]
-        else:
-            pick = min(left, key=lambda t: (t[2], t[1].recompute_flops))
-            if (c.tried or misses) and (pick[2] * (1 - over) > requested
-                                        or pick[2] * min(misses, default=0.0) > requested):
-                # predicted above the budget by more than the model's error, or by the
-                # smallest miss of this step's block plans (compiled, or bounded by their
-                # rewritten steps): none left would fit
-                break
-        left.remove(pick)
-        depth, p, pred = pick
-        r = rewritten_of(pick)
-        if rewritten_rules_out(r, requested):
-            # above the budget for sure: not compiled; the model's miss on it is at least
-            # what the bound leaves
-            debug(f"(blocks, depth {depth}, {p.strategy}): not compiled, its rewritten "
-                  f"step predicted {fmt_bytes(r)}, over {REWRITTEN_OVER}x the budget")
-            if pred > 0:
-                misses.append(r / REWRITTEN_OVER / pred)
-                ratio = max(ratio, misses[-1])
-            ruled.append((r, depth, p))
-            continue
-        _, _, _, fig = c.check(depth, p)
-        if fig.peak > requested and pred > 0:
-            misses.append(fig.peak / pred)
-            ratio = max(ratio, fig.peak / pred)
-    if not c.tried and ruled:
-        # none fits, and none was compiled: the lowest-predicted one is, once, so that a
-        # BudgetError's minimum is the lowest peak a block plan reaches (transformers'
-        # GPT-2 small at bench size, H100 target, budget 0.5: every block plan ruled out,
-        # the error's minimum was the plain step's 2.80 GiB where a block plan reaches 2.10)
-        r, depth, p = min(ruled, key=lambda t: (t[0], t[2].recompute_flops))
-        debug(f"(blocks, depth {depth}, {p.strategy}): compiled for the lowest peak reached")
-        c.check(depth, p)
-    elif not c.fitting and c.tried and analysis.platform != "cpu":
-        _unfenced(analysis, c, lowest_only=True)
-    n = c.compiles
-    if not c.fitting:
-        return Found(None, None, n, c.lowest)
-    _, depth, blk, fig = min(c.fitting, key=lambda t: (t[0], t[1]))
-    if rewritten is not None and seen.get(id(blk)):
-        (blk2, fig2), k = _resaved_rewritten(analysis, blk, fig, requested, compile_plan,
-                                             rewritten, fig.peak / seen[id(blk)])
-    else:
-        (blk2, fig2), k = resaved(analysis, blk, fig, requested, compile_plan, rounds=1,
-                                  ratio=ratio, retry=False)
-    return Found(blk2, fig2, n + k, c.lowest)
-
-
-#: How far below the budget a re-saved block plan's rewritten step must be predicted
-#: (scaled by its block plan's compiled over rewritten peak) for the ranked search to
-#: compile it (:func:`_resaved_rewritten`).
-RESAVE_MARGIN = 0.10
-
-
-def _resaved_rewritten(analysis: Analysis, blk: Plan, fig: Figures, requested: int,
-                       compile_plan: Callable[[Plan], Figures],
-                       rewritten: Callable[[Plan], int | None], scale: float
-                       ) -> tuple[tuple[Plan, Figures], int]:
-    """One round of :func:`resaved` sized by the rewritten steps: of the re-saved plans
-    within the headroom ``blk`` compiled with, then a half and a quarter of it, the first
-    whose rewritten step's peak, times ``scale`` (``blk``'s compiled over its rewritten
-    step's peak), is predicted :data:`RESAVE_MARGIN` within the budget is compiled, and
-    kept where it fits with fewer FLOPs. The cost model's bytes under-count what a
-    re-saved value adds, and the rewritten step's liveness under-counts it too (the zoo
-    GPT at bench size, H100 target, budget 0.5: 14.06 MiB of headroom re-saved, predicted
-    at 60.51 MiB so, compiled to 68.03, 18 MiB above the block plan and over the budget)."""
-    aim = int(0.98 * requested)
-    head = (aim if aim > fig.peak else requested) - fig.peak
-    for h in (head, head // 2, head // 4):
-        if h <= 0:
-            break
-        cand = resave(analysis, blk, h)
-        if cand is blk:
-            break
-        r = rewritten(cand)
-        if r is None or r * scale > aim * (1 - RESAVE_MARGIN):
-            debug(f"(re-save, {fmt_bytes(h)} headroom): not compiled, its rewritten step "
-                  f"predicted {fmt_bytes(int(r * scale)) if r else '?'} as compiled")
-            continue
-        f = compile_plan(cand)
-        debug(f"(re-save, {fmt_bytes(h)} headroom): rewritten step predicted "
-              f"{fmt_bytes(int(r * scale))} as compiled, compiled {fmt_bytes(f.peak)}, "
-              f"{f.flops:.4g} FLOPs")
-        if f.peak <= requested and f.flops < fig.flops:
-            return (cand, f), 1
-        return (blk, fig), 1
-    return (blk, fig), 0
-
-
-def _resaved_flops(analysis: Analysis, blk: Plan, requested: int, predicted: int) -> float:
-    """``blk``'s recompute FLOPs once re-saved within the headroom ``predicted`` (its
-    rewritten step's peak) leaves under the budget (:func:`resaved`'s aim)."""
-    head = int(0.98 * requested) - predicted
-    return (resave(analysis, blk, head) if head > 0 else blk).recompute_flops
 
 
 def _unfenced(analysis: Analysis, c: _Checked, lowest_only: bool = False) -> None:

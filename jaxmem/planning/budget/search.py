@@ -15,6 +15,14 @@ checked (each plan compiled once, the compiles spent, the points the next aim is
 :mod:`~jaxmem.planning.budget.outcome` writes the answer up (the plan and its notes, or the
 :class:`~jaxmem.planning.budget.units.BudgetError`).
 
+Blocks first: where the solver's plan's rewritten step (the caller's ``rewritten``) is
+predicted above the budget, the block plans are tried before that plan is compiled. The
+solver's plans that miss are the search's slowest compiles (the zoo GPT at bench size,
+H100 target, budget 0.5: greedy's plan, predicted 64.87 MiB by the cost model and 83.21
+MiB by its rewritten step, compiled to 94.32 MiB in 38 s; re-aimed lower instead of
+compiled, greedy's next two plans took 142 s and 180 s); a block plan re-runs about one
+forward pass and compiles in about twice the plain step's time.
+
 Compiling is the caller's: ``compile_plan``/``compile_plain`` return XLA's figures and
 ``device_peak`` corrects them where the compile strips host placement, so this package never
 imports the rewrite or :mod:`jaxmem.optimized`.
@@ -37,8 +45,8 @@ from jaxmem.planning.budget.fallbacks import (
     block_offload_plan,
     debug,
     plan_over,
-    ranked_block_plan,
 )
+from jaxmem.planning.budget.ranked_blocks import ranked_block_plan
 from jaxmem.planning.budget.solvers import greedy
 from jaxmem.planning.budget.solving import Solved, Solving, solve
 from jaxmem.planning.budget.tries import Candidate, Tries
@@ -69,8 +77,7 @@ class _Search:
                  rewritten: Callable[[Plan], int | None] | None = None) -> None:
         t_start = time.perf_counter()
         self.analysis, self.auto, self.compile_plan = analysis, auto, compile_plan
-        self.rewritten = rewritten
-        self.ranked = search == "ranked"
+        self.rewritten, self.ranked = rewritten, search == "ranked"
         # ranked: how far the model may over-predict a plan here (nothing ruled out: 1.0)
         self.over = plan_over(analysis) if self.ranked else None
         notes: list[str] = []
@@ -215,26 +222,17 @@ class _Search:
         return False
 
     def _blocks_first(self, d: frozenset[int], o: frozenset[int], source: str) -> bool:
-        """Whether the block-plan fallback, tried before the solver's plan ``(d, o)``, found
-        a plan that fits. Tried first (once) where the plan's rewritten step is predicted
-        above the budget: the solver's plans that miss are the search's slowest compiles
-        (the zoo GPT at bench size, H100 target, budget 0.5: greedy's plan, predicted
-        64.87 MiB by the cost model and 83.21 MiB by its rewritten step, compiled to 94.32
-        MiB in 38 s; re-aimed lower instead of compiled, greedy's next two plans took
-        142 s and 180 s to compile), a block plan re-runs about one forward pass and
-        compiles in about twice the plain step's time. The solver's plan is compiled
-        after them where none fits."""
-        if (self.rewritten is None or not self.ranked or self.blocks is not None
-                or self.compile_plan is None or self.forced):
-            return False
-        r = self.rewritten(plan_from_sets(self.model, d, o, "budget", "budget"))
+        """Whether the block plans, tried (once) before the solver's plan ``(d, o)`` where
+        its rewritten step is predicted over the budget, found one that fits (module doc,
+        "blocks first")."""
+        r = (None if (self.rewritten is None or not self.ranked or self.blocks is not None
+                      or self.compile_plan is None or self.forced)
+             else self.rewritten(plan_from_sets(self.model, d, o, "budget", "budget")))
         if r is None or r <= self.requested:
             return False
-        self.basis.notes.append(
-            f"{source} plan's rewritten step predicted at {fmt_bytes(r)}, above the budget: "
-            "block plans tried first")
-        debug(f"({source}): rewritten step predicted {fmt_bytes(r)}, above the budget: "
-              "block plans first")
+        note = f"{source} plan's rewritten step predicted at {fmt_bytes(r)}, over the budget"
+        self.basis.notes.append(f"{note}: block plans tried first")
+        debug(f"({source}): {note}: block plans first")
         self.blocks = self.tries.add(self._block_plan())
         return self.blocks.plan is not None
 
@@ -344,7 +342,9 @@ def plan_with_budget(analysis: Analysis, budget: Any, *, auto: Plan | None = Non
         settings.
       rewritten: ``plan -> bytes or None``, the peak the liveness model predicts for the
         plan's rewritten step; the ranked block search compiles first the block plans it
-        predicts within the budget (:func:`~jaxmem.planning.budget.fallbacks.ranked_block_plan`).
+        predicts within the budget
+        (:func:`~jaxmem.planning.budget.ranked_blocks.ranked_block_plan`), and where it puts
+        the solver's plan above the budget, the block plans are tried before it.
 
     Raises:
       BudgetError: if no plan fits; ``.minimum_bytes`` is the lowest peak found.

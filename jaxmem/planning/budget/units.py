@@ -59,7 +59,7 @@ class Budget:
       search: ``"ranked"`` (the default since issue 37): plans the cost model predicts above
         the budget by more than its error (:data:`~jaxmem.planning.budget.fallbacks.PLAN_OVER`)
         are not compiled, and block plans are compiled best-ranked first, stopping at the
-        first that fits (:func:`~jaxmem.planning.budget.fallbacks.ranked_block_plan`);
+        first that fits (:func:`~jaxmem.planning.budget.ranked_blocks.ranked_block_plan`);
         ``"exhaustive"``: MEDL's plan always compiled, and every block plan at every depth
         (:func:`~jaxmem.planning.budget.fallbacks.best_block_plan`), the cheapest that fits
         kept: more compiles, sometimes fewer recompute FLOPs. Either way what runs was
