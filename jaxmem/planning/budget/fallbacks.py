@@ -146,7 +146,6 @@ def best_block_plan(analysis: Analysis, requested: int,
 PLAN_OVER: dict[str, float] = {"cpu": 0.30, "cuda": 0.0, "gpu": 0.0}
 
 
-
 def plan_over(analysis: Analysis) -> float:
     """:data:`PLAN_OVER` for ``analysis``' platform; 1.0 (rule nothing out) on a platform
     not listed, or where the program holds loops or unknown primitives (the model sees a
@@ -189,7 +188,6 @@ def block_variants(analysis: Analysis) -> list[tuple[int, Plan]]:
                     seen.add(key)
                     out.append((depth, q))
     return out
-
 
 
 def _unfenced(analysis: Analysis, c: _Checked, lowest_only: bool = False) -> None:

@@ -242,7 +242,7 @@ class _Search:
         if self.ranked:
             return ranked_block_plan(self.model, self.analysis, self.requested,
                                      self.compile_plan, ratio=self.tries.ratio(),
-                                     rewritten=self.rewritten if self.ranked else None)
+                                     rewritten=self.rewritten)
         return best_block_plan(self.analysis, self.requested, self.compile_plan)
 
     def _stages(self) -> Iterator[str]:
