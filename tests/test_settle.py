@@ -202,6 +202,36 @@ def test_a_ranked_block_search_keeps_the_first_replayed_block_once():
         p.strategy for p in compiled]
 
 
+def test_a_ranked_block_search_compiles_the_unfenced_retry_only_where_predicted_lower():
+    """With the rewritten steps' liveness at hand, the ranked search compiles the lowest
+    block plan again unfenced only where its rewritten step is predicted lower unfenced
+    (the liveness model had the direction of every pair measured on the H100 target)."""
+    from jaxmem.analyzing.costmodel import CostModel
+    from jaxmem.planning.budget.ranked_blocks import ranked_block_plan
+    from jaxmem.xla.measure import Figures
+
+    w = zoo.make("transformer", size="test")
+    a = jaxmem.analyze(w.step, *w.args, target="h100")
+
+    def run(unfenced_delta):
+        compiled = []
+
+        def compile_plan(p):
+            compiled.append(p)
+            return Figures(argument=300 + len(p.recompute), output=0, temp=0, alias=0,
+                           flops=1.0 + len(p.recompute))
+
+        def rewritten(p):  # just over the budget (not ruled out), unfenced moved by delta
+            return 160 + (unfenced_delta if p.unfenced else 0)
+
+        ranked_block_plan(CostModel(a), a, 150, compile_plan, rewritten=rewritten)
+        return compiled
+
+    assert any(p.unfenced for p in run(-5))
+    higher = run(+5)
+    assert higher and not any(p.unfenced for p in higher)
+
+
 def test_a_plan_marked_unfenced_is_never_fenced():
     """``Plan.unfenced`` overrides ``fence_gradients=True`` (the rewrite has the unfenced
     plan's barriers), and is a plan of its own to the plan cache."""
