@@ -119,7 +119,8 @@ class _Rewritten:
     def rules_out(self, t: tuple) -> float | None:
         """Whether ``t`` is predicted above the budget by more than :data:`REWRITTEN_OVER`
         (then recorded, and the least the model's miss on it can be is returned: its
-        rewritten peak over the bound, over the model's peak); None when it may fit."""
+        rewritten peak over the bound, over the model's peak; 0.0 where the model
+        predicts nothing); None when it may fit."""
         depth, p, pred = t
         r = self.of(t)
         if not rewritten_rules_out(r, self.requested):
@@ -184,8 +185,9 @@ def ranked_block_plan(model: CostModel, analysis: Analysis, requested: int,
         left.remove(pick)
         least = rw.rules_out(pick)
         if least is not None:   # above the budget for sure: not compiled
-            misses.append(least)
-            ratio = max(ratio, least)
+            if least > 0:
+                misses.append(least)
+                ratio = max(ratio, least)
             continue
         depth, p, pred = pick
         _, _, _, fig = c.check(depth, p)
