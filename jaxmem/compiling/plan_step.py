@@ -103,9 +103,9 @@ class _Compiles:
         try:
             jitted, flat = self._streamed(self.step.rewrite(p))
             traced = jitted.trace(*flat)
+            self._traced = (rewrite_key(p), traced)   # plan() sizes it without a new trace
             if too_large(traced.jaxpr, len(self.step.program.nodes)) is not None:
                 return None     # not compiled either (plan() says why)
-            self._traced = (rewrite_key(p), traced)
             return liveness(from_jaxpr(traced.jaxpr), donated=self.step.donate_flat,
                             platform=self.step.platform)[0]
         except Exception:  # noqa: BLE001 - an ordering hint only: the plan is compiled as before

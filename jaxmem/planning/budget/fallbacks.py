@@ -35,7 +35,7 @@ from jaxmem.xla.measure import Figures, fmt_bytes
 
 __all__ = ["PLAN_OVER", "DevicePeak", "Found", "best_block_plan", "block_model",
            "block_offload_plan", "block_variants", "debug", "first_block_kept", "plan_over",
-           "predicted_peak", "resaved"]
+           "predicted_peak", "resaved", "unfenced"]
 
 _DEBUG = bool(os.environ.get("JAXMEM_BUDGET_DEBUG"))
 
@@ -76,6 +76,10 @@ class _Checked:
     fitting: list[tuple] = dataclasses.field(default_factory=list)
     compiles: int = 0
     lowest: int | None = None
+
+    def lowest_tried(self) -> tuple:
+        """The tuple of the block plan compiled lowest (the lower depth among equals)."""
+        return min(self.tried, key=lambda t: (t[3].peak, t[0]))
 
     def check(self, depth: int, p: Plan, named: bool = True) -> tuple:
         """Compile ``p`` (a block plan at ``depth``) and record it; its tuple."""
@@ -190,6 +194,13 @@ def block_variants(analysis: Analysis) -> list[tuple[int, Plan]]:
     return out
 
 
+def unfenced(blk: Plan) -> Plan:
+    """``blk`` with its finished gradients left where the scheduler puts them
+    (``Plan.unfenced``), named so."""
+    return dataclasses.replace(blk, unfenced=True,
+                               strategy=blk.strategy.rstrip(")") + ", unfenced)")
+
+
 def _unfenced(analysis: Analysis, c: _Checked, lowest_only: bool = False) -> None:
     """The block plans ``c`` tried, compiled again with their finished gradients left where
     the scheduler puts them (``Plan.unfenced``); when none fits, the lowest of those with
@@ -200,12 +211,9 @@ def _unfenced(analysis: Analysis, c: _Checked, lowest_only: bool = False) -> Non
     1,904.2 MB unfenced (its 98 MB LM-head gradient), and with its first-replayed block
     kept to 1,899.9 MB, below its package switch's 1,902.9 MB. ``lowest_only`` (a ranked
     search): only the lowest compiled of them."""
-    tried = list(c.tried)
-    if lowest_only:  # a ranked search: the lowest compiled block plan only
-        tried = [min(tried, key=lambda t: (t[3].peak, t[0]))]
-    again = [c.check(depth, dataclasses.replace(
-                 blk, unfenced=True, strategy=blk.strategy.rstrip(")") + ", unfenced)"))
-             for _, depth, blk, _ in tried]
+    # a ranked search: the lowest compiled block plan only
+    tried = [c.lowest_tried()] if lowest_only else list(c.tried)
+    again = [c.check(depth, unfenced(blk)) for _, depth, blk, _ in tried]
     if not c.fitting:
         _, depth, low, _ = min(again, key=lambda t: t[3].peak)
         if _KEPT in low.strategy:

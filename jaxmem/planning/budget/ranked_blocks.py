@@ -11,7 +11,6 @@ plan's rewritten step (:class:`_Rewritten`).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 from jaxmem.analyzing.analysis import Analysis
@@ -26,6 +25,7 @@ from jaxmem.planning.budget.fallbacks import (
     plan_over,
     predicted_peak,
     resaved,
+    unfenced,
 )
 from jaxmem.planning.plan import Plan
 from jaxmem.xla.measure import Figures, fmt_bytes
@@ -109,11 +109,11 @@ class _Rewritten:
         if self.rewritten is None:
             return True
         fenced = self.seen.get(id(blk)) or self.rewritten(blk)
-        unfenced = self.rewritten(dataclasses.replace(blk, unfenced=True))
-        if fenced is None or unfenced is None or unfenced < fenced:
+        loose = self.rewritten(unfenced(blk))
+        if fenced is None or loose is None or loose < fenced:
             return True
         debug(f"({blk.strategy}, unfenced): not compiled, its rewritten step predicted "
-              f"{fmt_bytes(unfenced)}, not below {fmt_bytes(fenced)} fenced")
+              f"{fmt_bytes(loose)}, not below {fmt_bytes(fenced)} fenced")
         return False
 
     def rules_out(self, t: tuple) -> float | None:
@@ -203,7 +203,7 @@ def ranked_block_plan(model: CostModel, analysis: Analysis, requested: int,
         debug(f"(blocks, depth {depth}, {p.strategy}): compiled for the lowest peak reached")
         c.check(depth, p)
     elif (not c.fitting and c.tried and analysis.platform != "cpu"
-          and rw.unfenced_may_lower(min(c.tried, key=lambda t: (t[3].peak, t[0]))[2])):
+          and rw.unfenced_may_lower(c.lowest_tried()[2])):
         _unfenced(analysis, c, lowest_only=True)
     n = c.compiles
     if not c.fitting:
