@@ -34,11 +34,12 @@ import jaxmem
 from jaxmem.analyzing.costmodel import CostModel
 from jaxmem.analyzing.liveness import liveness
 from jaxmem.compiling import predicted
+from jaxmem.planning.budget import fallbacks
 from jaxmem.planning.budget.fallbacks import block_variants, predicted_peak
 from jaxmem.tracing.program import from_jaxpr
 from jaxmem.xla import measure
 from benchmarks.workload import load
-model, size, target = sys.argv[1:4]
+model, size, target, unfenced = sys.argv[1:5]
 w = load(model, size, target)
 got = {}
 def captured(plan, analysis, step, options):  # the step and analysis verify would use
@@ -67,6 +68,11 @@ for depth, p in block_variants(analysis):
     t = time.perf_counter()
     rec["compiled"] = measure.figures(measure.compile(traced.lower())).peak
     rec["seconds"] = round(time.perf_counter() - t, 2)
+    if unfenced == "1":  # the same plan with its gradients unfenced (the retry when none fits)
+        traced = step.rewrite(fallbacks.unfenced(p)).trace(*step.flat)
+        rec["unfenced_rewritten"] = liveness(from_jaxpr(traced.jaxpr), donated=step.donate_flat,
+                                             platform=step.platform)[0]
+        rec["unfenced_compiled"] = measure.figures(measure.compile(traced.lower())).peak
     print(json.dumps(rec), flush=True)
 """
 
@@ -75,9 +81,11 @@ def _pct(pred: int, compiled: int) -> float:
     return round(100 * (pred / compiled - 1), 1)
 
 
-def run(model: str, size: str, target: str) -> list[dict]:
-    """Every block plan of ``model`` (one child process): its rows, the plain step first."""
-    r = subprocess.run([sys.executable, "-c", _CHILD, model, size, target], cwd=ROOT,
+def run(model: str, size: str, target: str, unfenced: bool = False) -> list[dict]:
+    """Every block plan of ``model`` (one child process): its rows, the plain step first;
+    ``unfenced``: each also rewritten, predicted and compiled with its gradients unfenced."""
+    r = subprocess.run([sys.executable, "-c", _CHILD, model, size, target,
+                        "1" if unfenced else "0"], cwd=ROOT,
                        capture_output=True, text=True, check=True)
     rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     for row in rows:
@@ -104,6 +112,20 @@ def _markdown(result: dict) -> str:
             lines.append(f"| {name} | {r['program']} | {r['compiled'] / mib:.2f} | "
                          f"{r['model'] / mib:.2f} | {r['model_error_pct']:+.1f}% | {rew} | "
                          f"{r['seconds']:.2f} |")
+    pairs = [r for rows in result["models"].values() for r in rows if "unfenced_compiled" in r]
+    if pairs:
+        lines += ["", "Unfenced (the gradients left where the scheduler puts them):", "",
+                  "| model | plan | fenced: rewritten / compiled MiB | unfenced: rewritten / "
+                  "compiled MiB | same direction |", "|---|---|---:|---:|---|"]
+        for name, rows in result["models"].items():
+            for r in rows:
+                if "unfenced_compiled" in r:
+                    same = ((r["unfenced_rewritten"] < r["rewritten"])
+                            == (r["unfenced_compiled"] < r["compiled"]))
+                    lines.append(
+                        f"| {name} | {r['program']} | {r['rewritten'] / mib:.2f} / "
+                        f"{r['compiled'] / mib:.2f} | {r['unfenced_rewritten'] / mib:.2f} / "
+                        f"{r['unfenced_compiled'] / mib:.2f} | {'yes' if same else 'no'} |")
     blocks = [r for rows in result["models"].values() for r in rows if "rewritten" in r]
     if blocks:
         me = [r["model_error_pct"] for r in blocks]
@@ -121,6 +143,8 @@ def main(argv: list[str] | None = None) -> dict:
                     "corpus:tx_resnet18_ts")
     ap.add_argument("--size", default="bench")
     ap.add_argument("--target", default="h100")
+    ap.add_argument("--unfenced", action="store_true",
+                    help="also each plan unfenced (results ...-unfenced.*)")
     args = ap.parse_args(argv)
     git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                          text=True).stdout.strip()
@@ -130,10 +154,10 @@ def main(argv: list[str] | None = None) -> dict:
                   timespec="seconds"),
               "git_commit": git, "size": args.size, "target": args.target, "models": {}}
     for name in args.models.split(","):
-        result["models"][name] = run(name, args.size, args.target)
+        result["models"][name] = run(name, args.size, args.target, args.unfenced)
         print(f"{name}: {len(result['models'][name]) - 1} block plans", flush=True)
     OUT.mkdir(parents=True, exist_ok=True)
-    stem = OUT / f"budget_blocks-{args.target}"
+    stem = OUT / f"budget_blocks-{args.target}{'-unfenced' if args.unfenced else ''}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     stem.with_suffix(".md").write_text(_markdown(result))
     print(_markdown(result))
