@@ -102,10 +102,14 @@ class _Rewritten:
     def unfenced_may_lower(self, blk: Plan) -> bool:
         """Whether ``blk`` compiled with its gradients unfenced may go lower: its rewritten
         step is predicted lower unfenced than fenced (True without a predictor). The
-        liveness model had the direction of all four measured (H100 target, bench size):
-        equinox's BN CNN 48.05 -> 57.52 MiB (compiled 57.69 -> 65.66), the zoo Llama's
-        115.56 -> 93.55 (106.87 -> 105.90), penzai's llama-like step's two depth-1 plans
-        2093.0 -> 1754.7 (1953.9 -> 1816.0, 1864.3 -> 1811.9)."""
+        liveness model had the direction of 14 of 20 block plans of three steps (H100
+        target, bench size; ``python -m benchmarks.budget_blocks --unfenced``,
+        ``benchmarks/results/budget_blocks-h100-unfenced.md``); of the six it had wrong,
+        two were predicted higher unfenced and compiled lower (equinox's BN CNN's
+        light-unjoined depth-1 plans, 80.77 -> 78.66 MiB: a retry this rule skips), four
+        the other way (compiled as before). Where the search used it: equinox's BN CNN's
+        lowest plan 48.05 -> 57.52 MiB predicted, 57.69 -> 65.66 compiled (not compiled
+        now); the zoo Llama's 115.56 -> 93.55, 106.87 -> 105.90 (compiled)."""
         if self.rewritten is None:
             return True
         fenced = self.seen.get(id(blk)) or self.rewritten(blk)
