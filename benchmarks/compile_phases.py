@@ -20,6 +20,12 @@ Writes ``benchmarks/results/compile_phases-<target>-<model>-<size>.json`` and ``
 emits made the identity (written with ``-nobarriers`` in the name): how much of a plan's
 compile time is the recomputation the barriers keep apart from the forward pass (without
 them XLA's CSE folds it back, and the peaks fall to the plain step's).
+
+``--programs plans,blocks,builtins``: what is compiled after the plain step (default
+``plans,blocks``); ``builtins`` adds ``jax.checkpoint(policy=dots_saveable)`` around the
+loss and around each block, as ``verify="builtins"`` compiles them: what one compile of the
+anchors' own rematerialisation costs on the same compiler. A choice other than the default
+is written with it in the name (``...-plans-builtins``).
 """
 
 from __future__ import annotations
@@ -62,9 +68,10 @@ if sys.argv[5] == "strip":  # every optimization_barrier the rewrite emits is th
     _rewrite.lax = _settle.lax = _NoBarriers()
 w = load(model, size, target)
 state, batch = w.state, w.batch
+kinds = set(sys.argv[6].split(","))
 got = {}
 def captured(plan, analysis, step, options):
-    got.update(analysis=analysis, step=step,
+    got.update(analysis=analysis, step=step, donated=plan.donated,
                cands=choose.rewrite_candidates(plan, analysis, step, options))
     raise KeyboardInterrupt  # stop before anything is compiled
 predicted.rewrite_candidates = captured
@@ -73,9 +80,15 @@ try:
 except KeyboardInterrupt:
     pass
 step, analysis = got["step"], got["analysis"]
-programs = [("plain", step.plain)] + [(c.plan.strategy, c.jitted) for c in got["cands"]]
-programs += [(f"blocks(depth={d}) [budget fallback]", step.rewrite(plan_blocks(analysis, d)))
-             for d in block_depths(analysis.program)]
+programs = [("plain", step.plain)]
+if "plans" in kinds:
+    programs += [(c.plan.strategy, c.jitted) for c in got["cands"]]
+if "blocks" in kinds:
+    programs += [(f"blocks(depth={d}) [budget fallback]", step.rewrite(plan_blocks(analysis, d)))
+                 for d in block_depths(analysis.program)]
+if "builtins" in kinds:  # jax.checkpoint(policy=dots_saveable) around the loss / its blocks
+    programs += [(f"{c.plan.strategy} [built-in]", c.jitted)
+                 for c in choose.builtin_candidates(analysis, step, got["donated"])[0]]
 def ops(text):
     return collections.Counter(re.findall(r"= \"?(stablehlo\.[a-z_]+)", text))
 for name, jitted in programs:
@@ -112,14 +125,19 @@ def timers(log: str) -> list[dict[str, float]]:
     return out
 
 
-def run(model: str, size: str, target: str, strip: bool = False) -> list[dict[str, Any]]:
+#: What ``--programs`` may name: the plain step is always compiled first.
+PROGRAMS = ("plans", "blocks", "builtins")
+
+
+def run(model: str, size: str, target: str, strip: bool = False,
+        programs: str = "plans,blocks") -> list[dict[str, Any]]:
     """Each program's record (a fresh process for the whole step)."""
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
                PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE=VMODULE)
     if target != "cpu":
         env.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
     r = subprocess.run([sys.executable, "-c", _CHILD, model, size, target, MARK,
-                        "strip" if strip else "keep"], cwd=ROOT,
+                        "strip" if strip else "keep", programs], cwd=ROOT,
                        env=env, capture_output=True, text=True)
     if r.returncode:
         raise RuntimeError(r.stderr[-2000:])
@@ -168,8 +186,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="compile each rewrite with its optimization_barriers made the "
                          "identity (a diagnosis: what the barriers' kept recomputation costs "
                          "in compile time; the peaks are not the plans')")
+    ap.add_argument("--programs", default="plans,blocks",
+                    help="what to compile after the plain step, comma-separated: plans "
+                         "(verify's candidates), blocks (the budget search's block plan at "
+                         "each depth), builtins (jax.checkpoint(policy=dots_saveable) around "
+                         "the loss and around each block, as verify='builtins' compiles "
+                         "them)")
     args = ap.parse_args(argv)
-    rows = run(args.model, args.size, args.target, args.strip_barriers)
+    unknown = set(args.programs.split(",")) - set(PROGRAMS)
+    if unknown:
+        ap.error(f"--programs: unknown {sorted(unknown)}; choose from {PROGRAMS}")
+    rows = run(args.model, args.size, args.target, args.strip_barriers, args.programs)
     import jax
     meta = {"command": "python -m benchmarks.compile_phases " + " ".join(
                 sys.argv[1:] if argv is None else argv),
@@ -178,7 +205,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                          capture_output=True, text=True).stdout.strip(),
             "cpus": os.cpu_count()}
     stem = (f"compile_phases-{args.target}-{args.model.replace(':', '-')}-{args.size}"
-            + ("-nobarriers" if args.strip_barriers else ""))
+            + ("-nobarriers" if args.strip_barriers else "")
+            + ("" if args.programs == "plans,blocks"
+               else "-" + args.programs.replace(",", "-")))
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2)
                                       + "\n")
