@@ -34,8 +34,10 @@ def _fresh_plans():
 
 def test_background_verification_ends_on_the_verified_plan(caplog, monkeypatch):
     # the bar without the model's error bound: this small step's plan is below its predicted
-    # plain peak, not 20% below (the bound is tested below)
+    # plain peak, not 20% below (the bound is tested below); its prediction trusted though
+    # under PLAIN_MIN_BYTES (that rule is tested below too)
     monkeypatch.setattr(predicted, "PLAIN_ERROR", {"cpu": 0.0})
+    monkeypatch.setattr(predicted, "PLAIN_MIN_BYTES", 0)
     ref = jax.jit(step)(WS, X)
     verified = jaxmem.optimize(step, donate_argnums=(), verify="builtins").plan(WS, X)
     plan_cache.clear_memory()
@@ -107,6 +109,7 @@ def test_the_first_plans_bar_is_the_plain_prediction_less_the_error_bound(monkey
     below the plain step's predicted peak by ``PLAIN_ERROR`` (the corpus over-predicts plain
     steps by up to 19%); a plan within that waits for its verification."""
     monkeypatch.setattr(predicted, "PLAIN_ERROR", {"cpu": 0.0})
+    monkeypatch.setattr(predicted, "PLAIN_MIN_BYTES", 0)
     bg = jaxmem.optimize(step, donate_argnums=(), verify="background")
     bg(WS, X)
     entry = next(iter(bg._cache.values()))
@@ -121,6 +124,20 @@ def test_the_first_plans_bar_is_the_plain_prediction_less_the_error_bound(monkey
     _close(bg(WS, X), jax.jit(step)(WS, X))
     entry = next(iter(bg._cache.values()))
     assert entry.pending is None and entry.first_plan_bar < peak
+    assert "verified before the first call" in entry.plan.notes[-1]
+
+
+def test_a_step_under_the_trusted_size_verifies_before_the_first_call(monkeypatch):
+    """Under ``PLAIN_MIN_BYTES`` verify=True does not trust the plain step's predicted peak
+    (it compiles the plain step); verify="background" uses the same bar: none, so the first
+    plan waits for its verification, however far below the prediction it compiles."""
+    monkeypatch.setattr(predicted, "PLAIN_ERROR", {"cpu": 0.0})
+    bg = jaxmem.optimize(step, donate_argnums=(), verify="background")
+    assert bg.analysis(WS, X).peak_bytes < predicted.PLAIN_MIN_BYTES
+    _close(bg(WS, X), jax.jit(step)(WS, X))
+    entry = next(iter(bg._cache.values()))
+    assert entry.first_plan_bar == 0
+    assert entry.pending is None and entry.verify_later is None  # verified, then ran
     assert "verified before the first call" in entry.plan.notes[-1]
 
 

@@ -70,12 +70,12 @@ def build(opt: Any, options: Options, fn: Callable[..., Any], args: tuple[Any, .
                   host_state=host_state, cache_key=None if deferred else key)
     if deferred:
         # the first plan's bar: verify=True's predicted check, the step's predicted plain
-        # peak less the model's error bound (none for the platform: it always verifies)
-        bound = predicted.PLAIN_ERROR.get(step.platform)
+        # peak less the model's error bound (0 where verify=True would compile the plain
+        # step: a platform without a bound, a step under PLAIN_MIN_BYTES; it verifies first)
         background.schedule(entry, step,
                             lambda on: choose.verified(first, analysis, on, options),
                             key, traced.lean_notes + not_donated,
-                            0 if bound is None else int(analysis.peak_bytes * (1 - bound)))
+                            predicted.plain_bar(analysis.peak_bytes, step.platform))
     return entry
 
 
