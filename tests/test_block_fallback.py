@@ -4,6 +4,8 @@ predicts no higher peak, and computes what the plain step computes."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 
@@ -161,6 +163,33 @@ def test_a_ranked_block_search_compiles_the_cheapest_predicted_fit_first_and_lea
     assert found3.figures.peak <= budget and told[0] == blk_runs[-1], (told, ranked)
     assert len([s for s in told if "re-saved" not in s]) == 1, told
     assert len(told) <= 2, told  # one re-save at most, sized by its rewritten step
+    # re-save first: where the pick and a re-save of it are both predicted within the
+    # budget (here the re-saves are predicted lower than the block plans), the re-save is
+    # compiled first and, fitting, is the answer: one compile where there were two ...
+    def optimist(p):
+        return int((1.0 if "re-saved" in p.strategy else 1.4) * predicted_peak(model, p))
+
+    first: list[str] = []
+    found4 = ranked_block_plan(model, analysis, budget, compiler(first), rewritten=optimist)
+    assert len(first) == 1 and first[0] == told[0].rstrip(")") + ", re-saved)", first
+    assert found4.plan.strategy == first[0] and found4.compiles == 1
+    assert found4.figures.peak <= budget
+    # ... and where it misses, the pick itself is compiled and kept as it is (no second
+    # re-save): as many compiles as a block plan and its re-save
+    def over_resaved(log):
+        inner = compiler(log)
+
+        def compile_plan(p):
+            fig = inner(p)
+            return (dataclasses.replace(fig, argument=budget + 1) if "re-saved" in p.strategy
+                    else fig)
+        return compile_plan
+
+    missed: list[str] = []
+    found5 = ranked_block_plan(model, analysis, budget, over_resaved(missed),
+                               rewritten=optimist)
+    assert missed == [first[0], told[0]], missed
+    assert found5.plan.strategy == told[0] and found5.compiles == 2
     # where no rewritten step is predicted within the budget, the model's order holds (an
     # untraceable rewrite, None, rules nothing out; nor does one just over the budget) ...
     for say in (lambda p: None, lambda p: int(1.2 * budget)):
@@ -198,3 +227,39 @@ def test_plan_over_rules_nothing_out_where_the_model_sees_a_loop_whole():
     a_loop = from_program(jaxmem.trace(looped, w, x))
     assert plan_over(a_flat) == PLAN_OVER["cpu"]
     assert plan_over(a_loop) == 1.0
+
+
+def test_the_marginal_replay_equals_recompute_cost_without_each_value():
+    """resave's lazy greedy asks for one marginal per candidate; chains.MarginalReplay
+    replays only the regions a value's removal changes, and must equal recompute_cost of
+    the smaller set exactly (a block plan at each depth, every dropped value)."""
+    import jax.numpy as jnp
+
+    from jaxmem.analyzing import chains
+    from jaxmem.planning.plan import recompute_cost
+
+    def loss(ws, x):
+        for i, (w1, w2) in enumerate(ws):
+            with jax.named_scope(f"stage{i // 2}"), jax.named_scope(f"block{i % 2}"):
+                u = jnp.tanh(x @ w1)
+                x = x + jax.nn.relu(u @ w2) * jnp.sin(x)
+        return jnp.sum(x ** 2)
+
+    ks = jax.random.split(jax.random.PRNGKey(1), 8)
+    ws = [(jax.random.normal(ks[2 * i], (8, 8)) * 0.3,
+           jax.random.normal(ks[2 * i + 1], (8, 8)) * 0.3) for i in range(4)]
+    analysis = from_program(jaxmem.trace(jax.grad(loss), ws, jnp.ones((4, 8))))
+    residuals = frozenset(r.value for r in analysis.residuals)
+    checked = 0
+    for depth in (0, 1, 2):
+        plan = plan_blocks(analysis, depth)
+        keep = plan.keep | plan.offload
+        replay = chains.MarginalReplay(analysis.program, plan.recompute, residuals | keep,
+                                       plan.region_depth)
+        assert replay.total == recompute_cost(analysis, plan.recompute, plan.region_depth,
+                                              keep)
+        for v in sorted(plan.recompute):
+            assert replay.without(v) == recompute_cost(
+                analysis, plan.recompute - {v}, plan.region_depth, keep), (depth, v)
+            checked += 1
+    assert checked > 20

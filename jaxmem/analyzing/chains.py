@@ -189,3 +189,59 @@ def replay_flops(program: Program, dropped: Collection[int], starts: Callable[[i
         nodes, _ = replay_chain(program, list(dict.fromkeys(targets)), starts)
         total += sum(program.nodes[i].flops for i in nodes)
     return total
+
+
+class MarginalReplay:
+    """:func:`replay_flops` of a drop set, and of the same set less one value, for the
+    lazy-greedy re-saving that asks for one such marginal per candidate
+    (:func:`jaxmem.planning.block_plans.resave`). The set less ``v`` is replayed region by
+    region, and only the regions ``v``'s removal can change: a backward region with the
+    same nodes, whose replay under the whole set neither reads ``v`` nor walks through it,
+    replays the same (its targets and chain starts are the same), so its FLOPs are reused.
+    Exact: equal to :func:`replay_flops` of the smaller set."""
+
+    def __init__(self, program: Program, dropped: Collection[int], kept: Collection[int],
+                 region_depth: int | None = None) -> None:
+        self.program, self.kept, self.depth = program, frozenset(kept), region_depth
+        self.readers: dict[int, list[Node]] = {}   # value -> the backward nodes reading it
+        for n in program.nodes:
+            if n.phase == "backward":
+                for v in n.inputs:
+                    self.readers.setdefault(v, []).append(n)
+        self.reset(dropped)
+
+    def reset(self, dropped: Collection[int]) -> None:
+        """Take ``dropped`` as the set: each region's FLOPs and the values its replay
+        reads or walks through."""
+        self.dropped = frozenset(dropped)
+        starts = chain_start(self.program, dropped=self.dropped, kept=self.kept)
+        self.regions = {r: self._replay(r, self.dropped, starts)
+                        for r in self._regions(self.dropped)}
+        self.total = sum(f for f, _ in self.regions.values())
+
+    def without(self, v: int) -> float:
+        """:func:`replay_flops` of the set less ``v``."""
+        d = self.dropped - {v}
+        # a backward node that read v and no other dropped value leaves the regions
+        # (backward_regions' ``needs``), which may join the runs beside it
+        moved = any(not any(u in d for u in n.inputs) for n in self.readers.get(v, ()))
+        starts = chain_start(self.program, dropped=d, kept=self.kept)
+        total = 0.0
+        for r in (self._regions(d) if moved else self.regions):
+            hit = self.regions.get(r)
+            total += hit[0] if hit is not None and v not in hit[1] else (
+                self._replay(r, d, starts)[0])
+        return total
+
+    def _regions(self, dropped: frozenset[int]) -> list[tuple[int, ...]]:
+        return [tuple(r) for r in backward_regions(
+            self.program, lambda n: any(u in dropped for u in n.inputs), self.depth)]
+
+    def _replay(self, region: tuple[int, ...], dropped: frozenset[int],
+                starts: Callable[[int], bool]) -> tuple[float, frozenset[int]]:
+        nodes_of = self.program.nodes
+        targets = list(dict.fromkeys(v for i in region for v in nodes_of[i].inputs
+                                     if v in dropped))
+        nodes, _ = replay_chain(self.program, targets, starts)
+        walked = frozenset(targets).union(*(nodes_of[i].inputs for i in nodes))
+        return sum(nodes_of[i].flops for i in nodes), walked

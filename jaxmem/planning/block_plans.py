@@ -218,10 +218,13 @@ def resave(analysis: Analysis, plan: Plan, headroom: int) -> Plan:
     prog = analysis.program
     depth, keep = plan.region_depth, plan.keep | plan.offload
     drop = set(plan.recompute)
-    cost = recompute_cost(analysis, drop, depth, keep)
+    # recompute_cost's replay, each marginal replaying only the regions it changes
+    replay = chains.MarginalReplay(prog, drop, frozenset(r.value for r in analysis.residuals)
+                                   | keep, depth)
+    cost = replay.total
 
     def gain(v: int) -> float:
-        return cost - recompute_cost(analysis, drop - {v}, depth, keep)
+        return cost - replay.without(v)
 
     heap = [(-gain(v) / max(prog.values[v].nbytes, 1), v) for v in sorted(drop)]
     heapq.heapify(heap)
@@ -241,7 +244,8 @@ def resave(analysis: Analysis, plan: Plan, headroom: int) -> Plan:
         if g <= 0:
             continue
         drop.discard(v)
-        cost -= g
+        replay.reset(drop)
+        cost = replay.total
         used += b
         added.append(v)
     if not added:
