@@ -167,12 +167,19 @@ def ranked_block_plan(model: CostModel, analysis: Analysis, requested: int,
     every one (the H100 target, bench size, 60 block plans of five steps: by 10% to 57%;
     the zoo GPT's 10% to 31%, equinox's BatchNorm CNN's 37% to 57%); the rewritten step's
     liveness is off by -33% to +21% on them (``python -m benchmarks.budget_blocks``,
-    ``benchmarks/results/budget_blocks-h100.md``)."""
+    ``benchmarks/results/budget_blocks-h100.md``).
+
+    Re-save first: where the pick's rewritten step is predicted within the budget and a
+    re-save of it is predicted :data:`RESAVE_MARGIN` within it too (sized by the pick's
+    prediction, :func:`_resave_sized`), the re-save is compiled first, and is the answer
+    where it fits (one compile, not two); where it misses, the pick is compiled, and is
+    the answer as it is where it fits (no second re-save)."""
     over = plan_over(analysis)
     c = _Checked(requested, compile_plan)
     left = [(depth, p, predicted_peak(model, p)) for depth, p in block_variants(analysis)]
     misses: list[float] = []    # compiled over predicted peak of the block plans compiled
     rw = _Rewritten(analysis, requested, rewritten)
+    done: set[int] = set()      # id() of the plans whose re-save was tried first
     while left and c.compiles < max_compiles and not c.fitting:
         fit = sorted((t for t in left if t[2] * ratio <= requested),
                      key=lambda t: (t[1].recompute_flops, t[2]))
@@ -194,6 +201,12 @@ def ranked_block_plan(model: CostModel, analysis: Analysis, requested: int,
                 ratio = max(ratio, least)
             continue
         depth, p, pred = pick
+        first = _resave_first(analysis, p, requested, rw)
+        if first is not None:
+            done.add(id(p))     # re-saved (or tried so): no second round for either
+            done.add(id(first))
+            if c.check(depth, first)[3].peak <= requested:
+                break
         _, _, _, fig = c.check(depth, p)
         if fig.peak > requested and pred > 0:
             misses.append(fig.peak / pred)
@@ -213,6 +226,8 @@ def ranked_block_plan(model: CostModel, analysis: Analysis, requested: int,
     if not c.fitting:
         return Found(None, None, n, c.lowest)
     _, depth, blk, fig = min(c.fitting, key=lambda t: (t[0], t[1]))
+    if id(blk) in done:
+        return Found(blk, fig, n, c.lowest)
     if rw.seen.get(id(blk)):
         (blk2, fig2), k = _resaved_rewritten(analysis, blk, fig, requested, compile_plan,
                                              rewritten, fig.peak / rw.seen[id(blk)])
@@ -227,16 +242,45 @@ def _resaved_rewritten(analysis: Analysis, blk: Plan, fig: Figures, requested: i
                        rewritten: Callable[[Plan], int | None], scale: float
                        ) -> tuple[tuple[Plan, Figures], int]:
     """One round of :func:`~jaxmem.planning.budget.fallbacks.resaved` sized by the
-    rewritten steps: of the re-saved plans within the headroom ``blk`` compiled with, then
-    a half and a quarter of it, the first whose rewritten step's peak, times ``scale``
-    (``blk``'s compiled over its rewritten step's peak), is predicted
-    :data:`RESAVE_MARGIN` within the budget is compiled, and kept where it fits with fewer
-    FLOPs. The cost model's bytes under-count what a re-saved value adds, and the
-    rewritten step's liveness under-counts it too (the zoo GPT at bench size, H100 target,
-    budget 0.5: 14.06 MiB of headroom re-saved, predicted at 60.51 MiB so, compiled to
-    68.03, 18 MiB above the block plan and over the budget)."""
+    rewritten steps (:func:`_resave_sized`, ``scale``: ``blk``'s compiled over its
+    rewritten step's peak), compiled, and kept where it fits with fewer FLOPs. The cost
+    model's bytes under-count what a re-saved value adds, and the rewritten step's liveness
+    under-counts it too (the zoo GPT at bench size, H100 target, budget 0.5: 14.06 MiB of
+    headroom re-saved, predicted at 60.51 MiB so, compiled to 68.03, 18 MiB above the block
+    plan and over the budget)."""
     aim = int(0.98 * requested)
-    head = (aim if aim > fig.peak else requested) - fig.peak
+    sized = _resave_sized(analysis, blk, (aim if aim > fig.peak else requested) - fig.peak,
+                          aim, rewritten, scale)
+    if sized is None:
+        return (blk, fig), 0
+    f = compile_plan(sized)
+    debug(f"(re-save): compiled {fmt_bytes(f.peak)}, {f.flops:.4g} FLOPs")
+    if f.peak <= requested and f.flops < fig.flops:
+        return (sized, f), 1
+    return (blk, fig), 1
+
+
+def _resave_first(analysis: Analysis, p: Plan, requested: int, rw: _Rewritten
+                  ) -> Plan | None:
+    """The re-save of ``p`` to compile before ``p`` itself: where ``p``'s rewritten step is
+    predicted within ``requested`` (``rw``), the one :func:`_resave_sized` gives for the
+    headroom that prediction leaves (uncorrected: ``p`` is not compiled yet); None where
+    ``p`` is not predicted to fit or no re-save is predicted to."""
+    r = rw.seen.get(id(p))
+    if r is None or r > requested or rw.rewritten is None:
+        return None
+    aim = int(0.98 * requested)
+    sized = _resave_sized(analysis, p, aim - r, aim, rw.rewritten, 1.0)
+    if sized is not None:
+        debug(f"({p.strategy}): predicted within the budget, its re-save compiled first")
+    return sized
+
+
+def _resave_sized(analysis: Analysis, blk: Plan, head: int, aim: int,
+                  rewritten: Callable[[Plan], int | None], scale: float) -> Plan | None:
+    """Of the re-saved plans of ``blk`` within ``head`` bytes of headroom, then a half and
+    a quarter of it, the first whose rewritten step's peak times ``scale`` is predicted
+    :data:`RESAVE_MARGIN` within ``aim``; None where none is."""
     for h in (head, head // 2, head // 4):
         if h <= 0:
             break
@@ -244,18 +288,13 @@ def _resaved_rewritten(analysis: Analysis, blk: Plan, fig: Figures, requested: i
         if cand is blk:
             break
         r = rewritten(cand)
-        if r is None or r * scale > aim * (1 - RESAVE_MARGIN):
-            debug(f"(re-save, {fmt_bytes(h)} headroom): not compiled, its rewritten step "
-                  f"predicted {fmt_bytes(int(r * scale)) if r else '?'} as compiled")
-            continue
-        f = compile_plan(cand)
+        ok = r is not None and r * scale <= aim * (1 - RESAVE_MARGIN)
         debug(f"(re-save, {fmt_bytes(h)} headroom): rewritten step predicted "
-              f"{fmt_bytes(int(r * scale))} as compiled, compiled {fmt_bytes(f.peak)}, "
-              f"{f.flops:.4g} FLOPs")
-        if f.peak <= requested and f.flops < fig.flops:
-            return (cand, f), 1
-        return (blk, fig), 1
-    return (blk, fig), 0
+              f"{fmt_bytes(int(r * scale)) if r else '?'} as compiled"
+              + ("" if ok else ", not compiled"))
+        if ok:
+            return cand
+    return None
 
 
 def _resaved_flops(analysis: Analysis, blk: Plan, requested: int, predicted: int) -> float:
