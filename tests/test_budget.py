@@ -554,13 +554,63 @@ def test_budget_search_lets_go_of_executables_beaten_on_peak_and_flops(monkeypat
     assert compiles.exe_for(plan["d"]) is None and compiles.exe_for(plan["c"]) == "exe c"
 
 
+def test_the_block_plans_rewritten_steps_are_analysed_while_the_plain_step_compiles(
+        monkeypatch):
+    """``_Compiles.warm``: the plain step compiles in a thread while the block plans'
+    rewritten steps are analysed (the ranked search's predictor; each analysed once), up to
+    when the plain compile ends; ``plain()`` then reads that compile, not a second."""
+    import threading
+    from types import SimpleNamespace
+
+    from jaxmem.compiling import plan_step
+    from jaxmem.xla.measure import Figures
+
+    gate, compiled, analysed = threading.Event(), [], []
+
+    def compile_(lowered):
+        if lowered == "plain":
+            gate.wait(10)
+        compiled.append((lowered, threading.current_thread().name))
+        return f"exe {lowered}"
+
+    def liveness(program, **kw):
+        analysed.append(program)
+        if len(analysed) == 2:  # the plain compile ends after the second analysis
+            gate.set()
+            compiles._plain_ahead[2].result(10)
+        return (len(program),)
+
+    monkeypatch.setattr(plan_step, "rewrite_key", lambda p: p.name)
+    monkeypatch.setattr(plan_step.measure, "compile", compile_)
+    monkeypatch.setattr(plan_step, "from_jaxpr", lambda jaxpr: jaxpr.name)
+    monkeypatch.setattr(plan_step, "liveness", liveness)
+    monkeypatch.setattr(plan_step, "too_large", lambda jaxpr, n: None)
+    monkeypatch.setattr(plan_step, "read", lambda exe, jitted, flat: Figures(
+        argument=len(jitted), output=0, temp=0, alias=0, flops=1.0))
+    plain = _Jitted("plain")
+    step = SimpleNamespace(flat=(), rewrite=lambda p: _Jitted(p.name), plain=plain,
+                           program=SimpleNamespace(nodes=[None]), donate_flat=(),
+                           platform="cuda")
+    compiles = plan_step._Compiles(step)
+    plans = [SimpleNamespace(name=k) for k in ("a", "bb", "ccc")]
+    assert compiles.warm(plans) == 2 and analysed == ["a", "bb"]  # then the plain ended
+    assert compiles.plain().peak == len("plain")
+    assert compiled == [("plain", compiled[0][1])] and compiled[0][1].startswith("jaxmem-plain")
+    assert compiles.rewritten(plans[1]) == 2 and analysed == ["a", "bb"]   # kept
+    assert compiles.rewritten(plans[2]) == 3 and analysed == ["a", "bb", "ccc"]
+
+
 class _Jitted(str):
     """A stand-in for a jitted rewrite: its name, traced and lowered to itself."""
 
     def trace(self, *flat):
         from types import SimpleNamespace
 
-        return SimpleNamespace(jaxpr=SimpleNamespace(eqns=()), lower=lambda: str(self))
+        return SimpleNamespace(jaxpr=SimpleNamespace(eqns=(), name=str(self)),
+                               lower=lambda: str(self))
+
+    def lower(self, *flat):
+        return str(self)
 
 
 def test_a_search_plan_too_large_to_compile_is_skipped_and_noted(mlp):

@@ -12,6 +12,7 @@ calls run is picked and its verification left to the caller (:mod:`.background`)
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -31,6 +32,7 @@ from jaxmem.compiling.trace_step import scans
 from jaxmem.memory import state_offload
 from jaxmem.planning import strategies
 from jaxmem.planning.budget import BudgetError, plan_with_budget
+from jaxmem.planning.budget.fallbacks import block_variants
 from jaxmem.planning.budget.units import TooLargeToCompile
 from jaxmem.planning.costs import step_costs
 from jaxmem.planning.plan import Plan
@@ -73,6 +75,10 @@ class _Compiles:
         # (rewrite key, traced) of the last plan :meth:`rewritten` traced: compiled without
         # tracing it again when the search picks it (one held, not one per plan)
         self._traced: tuple[Any, Any] | None = None
+        self._peaks: dict[Any, int | None] = {}   # rewrite key -> :meth:`rewritten`'s figure
+        # the plain step compiling in a thread (:meth:`start_plain`): (jitted, arguments,
+        # future of its executable)
+        self._plain_ahead: tuple[Any, list[Any], concurrent.futures.Future] | None = None
 
     def _streamed(self, jitted: Any) -> tuple[Any, list[Any]]:
         return self.stream(jitted) if self.stream else (jitted, self.step.flat)
@@ -100,10 +106,16 @@ class _Compiles:
         """The peak the liveness model predicts for ``p``'s rewritten step, as compiled
         here (streamed where it streams); None where it cannot be traced (the compile will
         say why)."""
+        key = rewrite_key(p)
+        if key not in self._peaks:
+            self._peaks[key] = self._rewritten(key, p)
+        return self._peaks[key]
+
+    def _rewritten(self, key: Any, p: Plan) -> int | None:
         try:
             jitted, flat = self._streamed(self.step.rewrite(p))
             traced = jitted.trace(*flat)
-            self._traced = (rewrite_key(p), traced)   # plan() sizes it without a new trace
+            self._traced = (key, traced)   # plan() sizes it without a new trace
             if too_large(traced.jaxpr, len(self.step.program.nodes)) is not None:
                 return None     # not compiled either (plan() says why)
             return liveness(from_jaxpr(traced.jaxpr), donated=self.step.donate_flat,
@@ -111,12 +123,40 @@ class _Compiles:
         except Exception:  # noqa: BLE001 - an ordering hint only: the plan is compiled as before
             return None
 
+    def start_plain(self) -> None:
+        """Start the plain step's compile in a thread (:meth:`plain` waits for it), so that
+        the caller's Python runs beside it (XLA's compile does not hold the GIL)."""
+        if self._plain is None and self._plain_ahead is None:
+            plain, flat = self._streamed(self.step.plain)
+            lowered = plain.lower(*flat)
+            pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxmem-plain")
+            self._plain_ahead = (plain, flat, pool.submit(measure.compile, lowered))
+            pool.shutdown(wait=False)
+
+    def warm(self, plans: list[Plan]) -> int:
+        """The rewritten steps' predicted peaks of ``plans`` (:meth:`rewritten`, kept for
+        the search), in order, while the plain step compiles (started here): none after it
+        is compiled. How many were analysed."""
+        self.start_plain()
+        n = 0
+        for p in plans:
+            if self._plain_ahead is None or self._plain_ahead[2].done():
+                break
+            self.rewritten(p)
+            n += 1
+        return n
+
     def plain(self) -> Figures:
         # The plain step is the same program however often a search asks: compiled once
         # (the state-offload path runs up to two searches and reads the plain peak too).
         if self._plain is None:
-            plain, flat = self._streamed(self.step.plain)
-            exe = measure.compile(plain.lower(*flat))
+            if self._plain_ahead is not None:
+                plain, flat, future = self._plain_ahead
+                self._plain_ahead = None
+                exe = future.result()
+            else:
+                plain, flat = self._streamed(self.step.plain)
+                exe = measure.compile(plain.lower(*flat))
             self._plain = (exe, read(exe, plain, flat))
         return self._plain[1]
 
@@ -226,6 +266,13 @@ def _within_budget(options: Options, analysis: Analysis, step: Step, auto: Plan,
     # the plain step the scan-body search compiled (the same program): not compiled again
     compiles[0].seed_plain(getattr(body, "plain", None))
     profile = _budget_profile(options.budget, flat)
+    if options.offload_state is False and _ranked(options.budget):
+        # the block plans' rewritten steps (the ranked search's predictor) do not depend on
+        # the budget's bytes: analysed while the plain step compiles, fewest FLOPs first
+        # (the search's order among those that fit)
+        compiles[0].start_plain()
+        compiles[0].warm([p for _, p in sorted(block_variants(analysis),
+                                               key=lambda t: t[1].recompute_flops)])
 
     def search(budget: Any, window: int) -> Plan:
         if window not in compiles:
@@ -269,6 +316,11 @@ def _within_budget(options: Options, analysis: Analysis, step: Step, auto: Plan,
                                notes=plan.notes + (body.notes if body else ()))
     # the executable the search compiled for the chosen plan runs the first call
     return plan, compiles[stream_state].exe_for(plan), stream_state
+
+
+def _ranked(budget: Any) -> bool:
+    """Whether ``budget`` searches the ranked way (a :class:`Budget` may ask otherwise)."""
+    return getattr(budget, "search", "ranked") == "ranked"
 
 
 def _budget_profile(budget: Any, flat: Any) -> Any:
