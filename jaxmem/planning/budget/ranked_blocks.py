@@ -73,8 +73,26 @@ class _Rewritten:
     def __init__(self, analysis: Analysis, requested: int,
                  rewritten: Callable[[Plan], int | None] | None) -> None:
         self.analysis, self.requested, self.rewritten = analysis, requested, rewritten
+        self.aim = int(0.98 * requested)   # what a re-save aims under
         self.seen: dict[int, int | None] = {}   # id(plan) -> its rewritten step's peak
         self.ruled: list[tuple[int, int, Plan]] = []   # (rewritten peak, depth, plan)
+        # (id(plan), headroom) -> (plan, its re-save): the pick's FLOPs and the re-save
+        # compiled first ask for the same one
+        self._resaves: dict[tuple[int, int], tuple[Plan, Plan]] = {}
+
+    def resave(self, p: Plan, head: int) -> Plan:
+        """:func:`~jaxmem.planning.block_plans.resave` of ``p`` within ``head`` bytes,
+        computed once per plan and headroom."""
+        key = (id(p), head)
+        if key not in self._resaves:
+            self._resaves[key] = (p, resave(self.analysis, p, head))
+        return self._resaves[key][1]
+
+    def resaved_flops(self, p: Plan, predicted: int) -> float:
+        """``p``'s recompute FLOPs once re-saved within the headroom ``predicted`` (its
+        rewritten step's peak) leaves under :attr:`aim`."""
+        head = self.aim - predicted
+        return (self.resave(p, head) if head > 0 else p).recompute_flops
 
     def of(self, t: tuple) -> int | None:
         """The rewritten step's peak of ``t`` (``(depth, plan, model peak)``); None when
@@ -95,8 +113,7 @@ class _Rewritten:
                  if (r := self.of(t)) is not None and r <= self.requested]
         if not sures:
             return fit[0]
-        return min(sures, key=lambda t: (_resaved_flops(self.analysis, t[1], self.requested,
-                                                        self.seen[id(t[1])]),
+        return min(sures, key=lambda t: (self.resaved_flops(t[1], self.seen[id(t[1])]),
                                          t[1].recompute_flops))
 
     def unfenced_may_lower(self, blk: Plan) -> bool:
@@ -201,7 +218,7 @@ def ranked_block_plan(model: CostModel, analysis: Analysis, requested: int,
                 ratio = max(ratio, least)
             continue
         depth, p, pred = pick
-        first = _resave_first(analysis, p, requested, rw)
+        first = _resave_first(p, rw)
         if first is not None:
             done.add(id(p))     # re-saved (or tried so): no second round for either
             done.add(id(first))
@@ -229,18 +246,16 @@ def ranked_block_plan(model: CostModel, analysis: Analysis, requested: int,
     if id(blk) in done:
         return Found(blk, fig, n, c.lowest)
     if rw.seen.get(id(blk)):
-        (blk2, fig2), k = _resaved_rewritten(analysis, blk, fig, requested, compile_plan,
-                                             rewritten, fig.peak / rw.seen[id(blk)])
+        (blk2, fig2), k = _resaved_rewritten(blk, fig, compile_plan, rw,
+                                             fig.peak / rw.seen[id(blk)])
     else:
         (blk2, fig2), k = resaved(analysis, blk, fig, requested, compile_plan, rounds=1,
                                   ratio=ratio, retry=False)
     return Found(blk2, fig2, n + k, c.lowest)
 
 
-def _resaved_rewritten(analysis: Analysis, blk: Plan, fig: Figures, requested: int,
-                       compile_plan: Callable[[Plan], Figures],
-                       rewritten: Callable[[Plan], int | None], scale: float
-                       ) -> tuple[tuple[Plan, Figures], int]:
+def _resaved_rewritten(blk: Plan, fig: Figures, compile_plan: Callable[[Plan], Figures],
+                       rw: _Rewritten, scale: float) -> tuple[tuple[Plan, Figures], int]:
     """One round of :func:`~jaxmem.planning.budget.fallbacks.resaved` sized by the
     rewritten steps (:func:`_resave_sized`, ``scale``: ``blk``'s compiled over its
     rewritten step's peak), compiled, and kept where it fits with fewer FLOPs. The cost
@@ -248,57 +263,47 @@ def _resaved_rewritten(analysis: Analysis, blk: Plan, fig: Figures, requested: i
     under-counts it too (the zoo GPT at bench size, H100 target, budget 0.5: 14.06 MiB of
     headroom re-saved, predicted at 60.51 MiB so, compiled to 68.03, 18 MiB above the block
     plan and over the budget)."""
-    aim = int(0.98 * requested)
-    sized = _resave_sized(analysis, blk, (aim if aim > fig.peak else requested) - fig.peak,
-                          aim, rewritten, scale)
+    head = (rw.aim if rw.aim > fig.peak else rw.requested) - fig.peak
+    sized = _resave_sized(blk, head, rw, scale)
     if sized is None:
         return (blk, fig), 0
     f = compile_plan(sized)
     debug(f"(re-save): compiled {fmt_bytes(f.peak)}, {f.flops:.4g} FLOPs")
-    if f.peak <= requested and f.flops < fig.flops:
+    if f.peak <= rw.requested and f.flops < fig.flops:
         return (sized, f), 1
     return (blk, fig), 1
 
 
-def _resave_first(analysis: Analysis, p: Plan, requested: int, rw: _Rewritten
-                  ) -> Plan | None:
+def _resave_first(p: Plan, rw: _Rewritten) -> Plan | None:
     """The re-save of ``p`` to compile before ``p`` itself: where ``p``'s rewritten step is
-    predicted within ``requested`` (``rw``), the one :func:`_resave_sized` gives for the
+    predicted within the budget (``rw``), the one :func:`_resave_sized` gives for the
     headroom that prediction leaves (uncorrected: ``p`` is not compiled yet); None where
     ``p`` is not predicted to fit or no re-save is predicted to."""
     r = rw.seen.get(id(p))
-    if r is None or r > requested or rw.rewritten is None:
+    if r is None or r > rw.requested or rw.rewritten is None:
         return None
-    aim = int(0.98 * requested)
-    sized = _resave_sized(analysis, p, aim - r, aim, rw.rewritten, 1.0)
+    sized = _resave_sized(p, rw.aim - r, rw, 1.0)
     if sized is not None:
         debug(f"({p.strategy}): predicted within the budget, its re-save compiled first")
     return sized
 
 
-def _resave_sized(analysis: Analysis, blk: Plan, head: int, aim: int,
-                  rewritten: Callable[[Plan], int | None], scale: float) -> Plan | None:
+def _resave_sized(blk: Plan, head: int, rw: _Rewritten, scale: float) -> Plan | None:
     """Of the re-saved plans of ``blk`` within ``head`` bytes of headroom, then a half and
     a quarter of it, the first whose rewritten step's peak times ``scale`` is predicted
-    :data:`RESAVE_MARGIN` within ``aim``; None where none is."""
+    :data:`RESAVE_MARGIN` within ``rw.aim``; None where none is."""
+    assert rw.rewritten is not None
     for h in (head, head // 2, head // 4):
         if h <= 0:
             break
-        cand = resave(analysis, blk, h)
+        cand = rw.resave(blk, h)
         if cand is blk:
             break
-        r = rewritten(cand)
-        ok = r is not None and r * scale <= aim * (1 - RESAVE_MARGIN)
+        r = rw.rewritten(cand)
+        ok = r is not None and r * scale <= rw.aim * (1 - RESAVE_MARGIN)
         debug(f"(re-save, {fmt_bytes(h)} headroom): rewritten step predicted "
               f"{fmt_bytes(int(r * scale)) if r else '?'} as compiled"
               + ("" if ok else ", not compiled"))
         if ok:
             return cand
     return None
-
-
-def _resaved_flops(analysis: Analysis, blk: Plan, requested: int, predicted: int) -> float:
-    """``blk``'s recompute FLOPs once re-saved within the headroom ``predicted`` (its
-    rewritten step's peak) leaves under the budget (:func:`_resaved_rewritten`'s aim)."""
-    head = int(0.98 * requested) - predicted
-    return (resave(analysis, blk, head) if head > 0 else blk).recompute_flops
