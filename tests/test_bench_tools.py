@@ -120,3 +120,44 @@ def test_suite_compiles_logs_every_compile_of_a_pytest_run(tmp_path):
     assert len(set(by_test["test_two.py::test_b"])) >= 2  # another shape: another program
     report = suite_compiles.summary(rows)
     assert f"{len(rows)} compiles" in report and "test_two.py::test_b" in report
+
+
+def test_xla_live_at_peak_reads_the_temp_values_live_where_their_bytes_sum_highest():
+    """``prediction_why``'s reading of XLA's dumps: the ``preallocated-temp`` values (not the
+    parameters), their ``BufferLiveRange`` (a ``{}`` name is the value's own), the position
+    where their bytes sum highest, and each value's ``op_name`` from the HLO."""
+    from benchmarks.prediction_why import xla_live_at_peak
+
+    assignment = """BufferAssignment:
+allocation 0: size 64, parameter 0, shape |f32[16]| at ShapeIndex {}:
+ value: <1 p0 @0> (size=64,offset=0): f32[16]{0}
+allocation 1: size 300, preallocated-temp:
+ value: <2 conv.1{} @0> (size=16,offset=284): (f32[25]{0}, u8[0]{0})
+ value: <3 conv.1{0} @0> (size=100,offset=0): f32[25]{0}
+ value: <4 fusion.2 @0> (size=200,offset=100): f32[50]{0}
+ value: <5 copy.3 @0> (size=100,offset=100): f32[25]{0}
+"""
+    live_range = """HloLiveRange (max 9):
+  InstructionSequence:
+    0:p0
+  BufferLiveRange:
+    p0{}:0-9
+    conv.1{}:1-1
+    conv.1{0}:1-6
+    fusion.2{}:2-4
+    copy.3{}:5-8
+  Live ranges at 3 (peak):
+    fusion.2{}: 200 bytes (cumulative: 200 bytes)
+"""
+    hlo = ('  %conv.1 = (f32[25]{0}, u8[0]{0}) custom-call(%p0), '
+           'metadata={op_name="jit(f)/jvp(m)/conv_general_dilated"}\n'
+           '  %fusion.2 = f32[50]{0} fusion(%conv.1), kind=kLoop, '
+           'metadata={op_name="jit(f)/transpose(jvp(m))/mul"}\n'
+           '  %copy.3 = f32[25]{0} copy(%conv.1)\n')
+    total, live, values = xla_live_at_peak(assignment, live_range, hlo)
+    assert total == 300
+    # at position 2 to 4: conv.1{0} (100) and fusion.2 (200); conv.1{} (16) only at 1
+    assert live == 300
+    assert [(size, name, op) for size, name, op, _, _ in values] == [
+        (200, "fusion.2", "jit(f)/transpose(jvp(m))/mul"),
+        (100, "conv.1{0}", "jit(f)/jvp(m)/conv_general_dilated")]
