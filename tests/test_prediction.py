@@ -201,3 +201,41 @@ def test_ranking_union_reads_the_plans_files():
         assert 1 <= sets["default"]["n"] <= sets["union"]["n"] + 1
         if target == "h100":
             assert sets["all"]["over"] <= _H100_MISSES.get((f, model), 1.0), (f, model, sets)
+
+
+def test_gpu_max_pooling_computes_its_input_in_its_kernels():
+    """XLA:GPU computes a value read by max-pooling alone (its forward reduce-window and its
+    gradient) inside those kernels, from the value's own inputs: a ReLU of a convolution's
+    output before a pool is not stored on the H100 target; XLA:CPU stores it, and a value
+    read by elementwise code as well is stored on both."""
+    from jax import lax
+    from jaxmem.program import trace
+
+    from jaxmem.analyzing.liveness import materialised
+
+    assert fusion.pooled_in_kernel(("reduce_window_max", "select_and_scatter_add"), "cuda")
+    assert not fusion.pooled_in_kernel(("reduce_window_max", "select_and_scatter_add"), "cpu")
+    assert not fusion.pooled_in_kernel(("reduce_window_max", "mul"), "cuda")
+    assert not fusion.pooled_in_kernel((), "cuda")
+
+    def pool(y):
+        return lax.reduce_window(y, -jax.numpy.inf, lax.max, (1, 3, 3, 1), (1, 2, 2, 1),
+                                 "SAME")
+
+    def loss(k, x, also):
+        h = lax.conv_general_dilated(x, k, (1, 1), "SAME",
+                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        r = jax.nn.relu(h)
+        return (pool(r) ** 2).sum() + ((r * r).sum() if also else 0.0)
+
+    k = jax.ShapeDtypeStruct((3, 3, 4, 8), jax.numpy.float32)
+    x = jax.ShapeDtypeStruct((2, 8, 8, 4), jax.numpy.float32)
+    for also, stored_on_gpu in ((False, False), (True, True)):
+        prog = trace(jax.grad(lambda k, x, a=also: loss(k, x, a)), k, x)
+        pooled = [v for n in prog.nodes if n.primitive == "reduce_window_max"
+                  for v in n.inputs]
+        (relu,) = {v for v in pooled if prog.values[v].producer is not None}
+        readers = {prog.nodes[i].primitive for i in prog.users[relu]}
+        assert readers >= {"reduce_window_max", "select_and_scatter_add"}
+        assert materialised(prog, "cuda")[relu] is stored_on_gpu, readers
+        assert materialised(prog, "cpu")[relu]

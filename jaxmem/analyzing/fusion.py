@@ -42,7 +42,8 @@ from __future__ import annotations
 import math
 
 __all__ = ["PLATFORMS", "expansion_bytes", "folds_into_dot", "fuses_into_gemm", "is_expensive",
-           "makes_buffer", "normalise_platform", "padded_bytes", "upcast_bytes"]
+           "makes_buffer", "normalise_platform", "padded_bytes", "pooled_in_kernel",
+           "upcast_bytes"]
 
 #: Floating-point primitives XLA's base fusion pass will not duplicate.
 _EXPENSIVE = frozenset({
@@ -97,6 +98,26 @@ def folds_into_dot(primitive: str, platform: str = "cpu") -> bool:
     benchmarks.prediction_why``'s dumps), where storing them was 470 MiB of the plain
     step's 485 MiB over-prediction."""
     return normalise_platform(platform) == "cuda" and primitive == "transpose"
+
+
+#: Max-pooling, forward and gradient: XLA:GPU emits both as reduce-window fusions.
+_MAX_POOLING = frozenset({"reduce_window_max", "select_and_scatter_add"})
+
+
+def pooled_in_kernel(readers: tuple[str, ...], platform: str = "cpu") -> bool:
+    """Whether XLA on ``platform`` computes a value read by ``readers`` (their primitives),
+    a cheap elementwise or layout value, inside its readers' kernels instead of storing it,
+    where max-pooling is all that reads it: on XLA:GPU the pooling's ``reduce-window`` and
+    the reduce-window its gradient (``select_and_scatter_add``) expands into are fusions
+    that compute their operand from its own inputs. A max-pool's input, a ReLU of a
+    BatchNorm of a convolution's output, is recomputed from that output (kept for the
+    BatchNorm's gradient anyway) in the forward pooling and again in its gradient, never
+    stored: equinox's BatchNorm CNN (its two pools, 24 MiB), transformers' ResNet18 (the
+    stem's, 16 MiB) and the zoo's ``cnn_bn`` on the H100 target, each read from XLA's
+    live set at its peak (``python -m benchmarks.prediction_why MODEL plain --target
+    h100``). XLA:CPU stores it."""
+    return (normalise_platform(platform) == "cuda" and bool(readers)
+            and all(r in _MAX_POOLING for r in readers))
 
 
 #: Primitives XLA:CPU computes in f32 whatever their operands' precision.

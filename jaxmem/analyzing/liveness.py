@@ -24,6 +24,7 @@ from jaxmem.analyzing.fusion import (
     is_expensive,
     makes_buffer,
     padded_bytes,
+    pooled_in_kernel,
     upcast_bytes,
 )
 from jaxmem.analyzing.schedule import schedule
@@ -49,9 +50,11 @@ def materialised(program: Program, platform: str = "cpu", *, fold_dots: bool = T
 
     Non-fusible outputs (matmuls, convolutions, units), reductions and program outputs get a
     buffer. An elementwise or layout value read only by elementwise nodes is fused into its
-    readers. If a reader sits in another phase (a residual), XLA duplicates the producer there
-    when that needs no extra buffer (every operand is stored, or is itself duplicable) and it
-    is not expensive (a transcendental); otherwise the value is stored.
+    readers; so is one read only by max-pooling on XLA:GPU
+    (:func:`~jaxmem.analyzing.fusion.pooled_in_kernel`; a ``concatenate`` excepted, which
+    XLA:GPU stores). If a reader sits in another phase (a residual), XLA duplicates the
+    producer there when that needs no extra buffer (every operand is stored, or is itself
+    duplicable) and it is not expensive (a transcendental); otherwise the value is stored.
     """
     out_set = set(program.outputs)
     users = program.users
@@ -82,11 +85,14 @@ def materialised(program: Program, platform: str = "cpu", *, fold_dots: bool = T
                                 tuple(values[a].producer is None for a in node.inputs),
                                 platform)
                 or (fold_dots and folds_into_dot(node.primitive, platform)))
+        # read by max-pooling alone, which computes it in its kernels (fusion.pooled_in_kernel)
+        pooled = node.primitive != "concatenate" and pooled_in_kernel(
+            tuple(program.nodes[i].primitive for i in rd), platform)
         for i in rd:
             u = program.nodes[i]
             if gemm and u.primitive == "dot_general":
                 continue
-            if (u.kind not in CHEAP or _is_reduction(u.primitive)
+            if (u.kind not in CHEAP or (_is_reduction(u.primitive) and not pooled)
                     or (u.phase != node.phase and not avail)):
                 mat[v.id] = True
                 break
