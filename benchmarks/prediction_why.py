@@ -120,12 +120,19 @@ def xla_live_at_peak(assignment: str, live_range: str, hlo: str
 
 
 def _xla_report(files: list[Path], top: int) -> None:
-    by_suffix = {f.name.split("after_optimizations")[-1]: f for f in files
-                 if "gpu_after" in f.name or "cpu_after" in f.name}
+    # one set of dumps per module the compile made (JAX compiles small helper modules
+    # too): the step's is the one with the largest buffer assignment
+    modules: dict[str, dict[str, Path]] = {}
+    for f in files:
+        if "_after_optimizations" in f.name:
+            module, suffix = f.name.split("_after_optimizations", 1)
+            modules.setdefault(module, {})[suffix] = f
     need = ("-buffer-assignment.txt", "-live-range.txt", ".txt")
-    if not all(k in by_suffix for k in need):
+    found = [m for m in modules.values() if all(k in m for k in need)]
+    if not found:
         print("XLA: no buffer-assignment, live-range and HLO dumps found")
         return
+    by_suffix = max(found, key=lambda m: m[need[0]].stat().st_size)
     total, live, values = xla_live_at_peak(*(by_suffix[k].read_text() for k in need))
     print(f"XLA: temp allocation {total / 2**20:.2f} MiB; its values live at its peak "
           f"{live / 2**20:.2f} MiB ({by_suffix[need[0]].name})")
