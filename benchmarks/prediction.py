@@ -39,6 +39,15 @@ Example::
 (``MODEL`` may be ``corpus:NAME``, an entry of :mod:`benchmarks.external.corpus`, as for
 ``--plans``.)
 
+``--repredict`` compiles nothing either: it predicts the plain rows of ``--out``'s
+``prediction.json`` again with the model as it is now and prints each beside its stored
+compiled peak, with the counts within 5% and 10% and the largest errors (the 36 H100 rows
+of the zoo and the corpus in a few minutes): how a change to the liveness model is
+measured on every stored step before the compiles are re-run. ::
+
+    python -m benchmarks.prediction --repredict --targets h100
+    python -m benchmarks.prediction --repredict --out benchmarks/results/prediction_corpus
+
 ``--docs`` compiles nothing: it rewrites the table between ``<!-- prediction-table -->``
 markers in the given file from ``prediction.json`` (plain steps), ``before.json`` (the model
 before the per-target rules, same compiled peaks) and ``plans_test/prediction.json`` (the
@@ -200,6 +209,34 @@ def render_docs(path: Path, out: Path) -> None:
     path.write_text(f"{head}{_MARK}\n{table_md}\n{_END}{tail}")
 
 
+def repredict(rows: list[dict[str, Any]], keep: dict[str, set[str]]) -> int:
+    """Predict each plain row of ``rows`` (``keep``: ``{"models"|"sizes"|"targets": names}``)
+    again with the model as it is now, and print it beside its stored prediction and
+    compiled peak, then how many are within 5% and 10% and the largest errors either way:
+    a change to the liveness model measured on every stored step in minutes, with no
+    compile (the compiled peaks do not depend on the model)."""
+    field = {"models": "model", "sizes": "size", "targets": "target"}
+    errors = []
+    for r in rows:
+        if r.get("step", "plain") != "plain" or "compiled" not in r or any(
+                r[field[k]] not in v for k, v in keep.items()):
+            continue
+        w = _workload(r["model"], r["size"], r["target"])
+        now = jaxmem.analyze(w.step, *_args(w, r["target"]), donate_argnums=0).peak_bytes
+        err = 100 * (now / r["compiled"] - 1)
+        errors.append(err)
+        print(f"{r['model']:30s} {r['size']:5s} {r['target']:5s} compiled "
+              f"{r['compiled'] / 2**20:9.2f} MiB  stored {r['error_pct']:+6.1f}%  now "
+              f"{err:+6.1f}%", flush=True)
+    if not errors:
+        raise SystemExit("no stored plain row matches")
+    print(f"\n{len(errors)} rows: {sum(abs(e) <= 5 for e in errors)} within 5%, "
+          f"{sum(abs(e) <= 10 for e in errors)} within 10%; largest over-prediction "
+          f"{max(errors):+.1f}%, largest under-prediction {min(errors):+.1f}%, mean "
+          f"absolute error {sum(abs(e) for e in errors) / len(errors):.1f}%")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.prediction",
                                 description=__doc__.split("\n\n")[0])
@@ -215,10 +252,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--docs", type=Path,
                    help="rewrite the prediction table in this markdown file from the JSON "
                         "under --out, and compile nothing")
+    p.add_argument("--repredict", action="store_true",
+                   help="predict the plain rows of --out's prediction.json again with the "
+                        "model as it is now, against their stored compiled peaks; compile "
+                        "nothing, write nothing (--models/--sizes/--targets filter when given)")
     a = p.parse_args(argv)
     if a.docs:
         render_docs(a.docs, a.out)
         return 0
+    if a.repredict:
+        given = argv if argv is not None else __import__("sys").argv[1:]
+        keep = {k: set(getattr(a, k).split(",")) for k in ("models", "sizes", "targets")
+                if any(t == f"--{k}" or t.startswith(f"--{k}=") for t in given)}
+        return repredict(_load(a.out / "prediction.json"), keep)
     a.out.mkdir(parents=True, exist_ok=True)
     if a.plans:
         from benchmarks import prediction_plans

@@ -161,3 +161,22 @@ allocation 1: size 300, preallocated-temp:
     assert [(size, name, op) for size, name, op, _, _ in values] == [
         (200, "fusion.2", "jit(f)/transpose(jvp(m))/mul"),
         (100, "conv.1{0}", "jit(f)/jvp(m)/conv_general_dilated")]
+
+
+def test_repredict_prints_each_stored_plain_row_against_its_compiled_peak(capsys):
+    """``prediction --repredict``: a stored plain row predicted again with the model as it
+    is now, against its stored compiled peak (here the prediction itself: 0.0%), nothing
+    compiled; rows the filters leave out are not predicted."""
+    import jaxmem
+    from benchmarks import prediction, zoo
+
+    w = zoo.make("mlp", size="test", abstract=True)
+    peak = jaxmem.analyze(w.step, *w.args, donate_argnums=0).peak_bytes
+    rows = [{"model": "mlp", "size": "test", "target": "cpu", "step": "plain",
+             "compiled": peak, "error_pct": 1.0},
+            {"model": "mlp", "size": "bench", "target": "cpu", "step": "plain",
+             "compiled": 1, "error_pct": 1.0}]
+    assert prediction.repredict(rows, {"sizes": {"test"}}) == 0
+    out = capsys.readouterr().out
+    assert "stored   +1.0%  now   +0.0%" in out and "bench" not in out
+    assert "1 rows: 1 within 5%, 1 within 10%" in out
