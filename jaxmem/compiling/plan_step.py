@@ -269,8 +269,7 @@ def _within_budget(options: Options, analysis: Analysis, step: Step, auto: Plan,
     if options.offload_state is False and _ranked(options.budget):
         # the block plans' rewritten steps (the ranked search's predictor) do not depend on
         # the budget's bytes: analysed while the plain step compiles, fewest FLOPs first
-        # (the search's order among those that fit)
-        compiles[0].start_plain()
+        # (the search's order among those that fit); warm starts the plain compile
         compiles[0].warm([p for _, p in sorted(block_variants(analysis),
                                                key=lambda t: t[1].recompute_flops)])
 

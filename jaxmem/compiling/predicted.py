@@ -142,6 +142,7 @@ def predicted(plan: Plan, analysis: Analysis, step: Step, options: Options
     pred = [model.evaluate(c.plan.recompute, c.plan.offload).peak for c in cands]
     plain_pred = analysis.peak_bytes
     bound = plain_bound(plain_pred, step.platform)
+    bar = None if bound is None else plain_pred * (1 - bound)   # the predicted check's
     base: tuple[Figures, Any] | None = None
     tried: list[str] = []
     peaks = _RewrittenPeaks(cands, step, analysis.platform)
@@ -165,7 +166,7 @@ def predicted(plan: Plan, analysis: Analysis, step: Step, options: Options
             # before the others are traced; the plain step too where the first compiles are
             # all predicted to miss the predicted check (their figures do not decide it)
             compiles.start([cands[i] for i in best])
-            if bound is not None and _short_of(first + best, peaks, plain_pred * (1 - bound)):
+            if bar is not None and _short_of(first + best, peaks, bar):
                 compiles.start_plain()
 
         groups = _first_with(groups, _rewritten_best(pred, peaks, first, near_best))
@@ -178,7 +179,7 @@ def predicted(plan: Plan, analysis: Analysis, step: Step, options: Options
                       for i, f in zip(group, figs, strict=True)]
             k = lowest(figs)
             c, fig, exe = cands[group[k]], figs[k], exes[k]
-            if base is None and bound is not None and fig.peak < plain_pred * (1 - bound):
+            if base is None and bar is not None and fig.peak < bar:
                 return _kept(c.plan, fig, None, tried, peaks.skipped, (
                     f"checked against the plain step's predicted peak "
                     f"{fmt_bytes(plain_pred)}: more than {bound:.0%} below it (the cost "
