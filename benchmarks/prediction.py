@@ -48,6 +48,15 @@ measured on every stored step before the compiles are re-run. ::
     python -m benchmarks.prediction --repredict --targets h100
     python -m benchmarks.prediction --repredict --out benchmarks/results/prediction_corpus
 
+With ``--plans`` it does the same for every candidate of ``--out``'s ``plans-*.json``
+(or ``--files``): the candidates ``verify="all"`` would compile are built as for a user
+and stopped where they are handed to the compiler, each stored row is found among them by
+name, and its rewritten step's liveness and the cost model's peak are predicted again
+against its stored compiled peak (the zoo's three bench steps in under a minute)::
+
+    python -m benchmarks.prediction --repredict --plans --files \
+        benchmarks/results/prediction/plans-h100.json
+
 ``--docs`` compiles nothing: it rewrites the table between ``<!-- prediction-table -->``
 markers in the given file from ``prediction.json`` (plain steps), ``before.json`` (the model
 before the per-target rules, same compiled peaks) and ``plans_test/prediction.json`` (the
@@ -256,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="predict the plain rows of --out's prediction.json again with the "
                         "model as it is now, against their stored compiled peaks; compile "
                         "nothing, write nothing (--models/--sizes/--targets filter when given)")
+    p.add_argument("--files", type=Path, nargs="+",
+                   help="with --repredict --plans: these plans files (default: --out's "
+                        "plans-*.json)")
     a = p.parse_args(argv)
     if a.docs:
         render_docs(a.docs, a.out)
@@ -264,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
         given = argv if argv is not None else __import__("sys").argv[1:]
         keep = {k: set(getattr(a, k).split(",")) for k in ("models", "sizes", "targets")
                 if any(t == f"--{k}" or t.startswith(f"--{k}=") for t in given)}
+        if a.plans:
+            from benchmarks import prediction_plans
+            return prediction_plans.repredict(
+                sorted(a.out.glob("plans-*.json")) if a.files is None else a.files, keep)
         return repredict(_load(a.out / "prediction.json"), keep)
     a.out.mkdir(parents=True, exist_ok=True)
     if a.plans:

@@ -248,3 +248,114 @@ def markdown(meta: dict[str, Any], models: list[dict[str, Any]]) -> str:
                            f"{v['predicted_best_over_best_pct']:+.2f}% | "
                            f"{v['predicted_best_over_all_pct']:+.2f}% |")
     return "\n".join(out) + "\n"
+
+
+class _Candidates(Exception):  # noqa: N818 - a control-flow signal, not an error
+    """Raised by :func:`candidates`'s stand-in for ``compile_candidates``: the candidates
+    are known, nothing is compiled."""
+
+    def __init__(self, step: Any, cands: Any) -> None:
+        super().__init__("candidates captured")
+        self.step, self.cands = step, cands
+
+
+def candidates(w: zoo.Workload, target: str) -> tuple[Any, list[Any]]:
+    """The step and the candidates ``verify="all"`` would compile for ``w`` on ``target``
+    (read where they are handed to the compiler), none compiled."""
+    args = w.args if target == "cpu" else jaxmem.targets.place(
+        w.args, target, sharding=getattr(w, "sharding", None))
+    original = choose.compile_candidates
+
+    def stop(step: Any, cands: Any) -> Any:
+        raise _Candidates(step, cands)
+
+    plan_cache.clear_memory()
+    choose.compile_candidates = stop
+    try:
+        jaxmem.optimize(w.step, donate_argnums=(0,), verify="all").plan(*args)
+    except _Candidates as got:
+        return got.step, list(got.cands)
+    finally:
+        choose.compile_candidates = original
+    raise RuntimeError("verify compiled no candidates")
+
+
+def repredicted(e: dict[str, Any]) -> list[dict[str, Any]]:
+    """The stored candidate rows of one ``--plans`` entry ``e``, each with ``now``: its
+    rewritten step's liveness predicted with the model as it is now, and ``model_now``:
+    the cost model's (plans only). Rows are matched by candidate name as
+    :func:`predictions` names them; a stored row no candidate matches gets neither."""
+    target = e["target"]
+    step, cands = candidates(workload(e["model"], e["size"], target), target)
+    t = jaxmem.targets.get(target)
+    analysis = from_program(step.program, donated=step.donate_flat, platform=t.platform)
+    model = CostModel(analysis, t.profile if t.profile in PROFILES else None)
+    named: dict[str, Any] = {}
+    for c in cands:
+        name = c.plan.strategy
+        if name in named:  # plan_auto's strict variant, as predictions() names it
+            name += " (strict: 5% per layer)" if name == "auto" else f" [{len(named)}]"
+        named[name] = c
+    rows = []
+    for r in e["candidates"]:
+        r = dict(r)
+        c = named.get(r["candidate"])
+        if c is not None:
+            prog = from_jaxpr(c.jitted.trace(*step.flat).jaxpr)
+            r["now"] = from_program(prog, donated=step.donate_flat,
+                                    platform=t.platform).peak_bytes
+            if not c.plan.loss_policy:
+                r["model_now"] = model.evaluate(c.plan.recompute, c.plan.offload).peak
+        rows.append(r)
+    plain = dict(e["plain"], now=analysis.peak_bytes)
+    return [plain] + rows
+
+
+def repredict(paths: list[Path], keep: dict[str, set[str]]) -> int:
+    """Every candidate of the ``--plans`` files ``paths`` (``keep``: ``{"models"|"sizes"|
+    "targets": names}``) predicted again with the model as it is now (rewritten step's
+    liveness, and the cost model's for plans) against its stored compiled peak, nothing
+    compiled: per row the stored and the new error, then the counts within 5% and 10%, the
+    largest errors, and per step whether the lowest new prediction of the plans compiles
+    within 1% of their best and their pairwise agreement (:func:`ranking`)."""
+    errors: dict[str, list[float]] = {"rewritten": [], "model": []}
+    steps = held = 0
+    for path in paths:
+        for e in json.loads(Path(path).read_text())["models"]:
+            if e.get("error") or any(e[k[:-1]] not in v for k, v in keep.items()):
+                continue
+            rows = repredicted(e)
+            print(f"{e['model']} {e['size']} {e['target']} ({path})", flush=True)
+            for r in rows:
+                if "now" not in r:
+                    print(f"  {r['candidate'][:48]:48s} not among today's candidates")
+                    continue
+                err = 100 * (r["now"] / r["compiled"] - 1)
+                errors["rewritten"].append(err)
+                line = (f"  {r['candidate'][:48]:48s} compiled {r['compiled'] / 2**20:9.2f} "
+                        f"MiB  rewritten stored {_pct(r['rewritten_error_pct']):>7s} now "
+                        f"{err:+6.1f}%")
+                if "model_now" in r:
+                    m = 100 * (r["model_now"] / r["compiled"] - 1)
+                    errors["model"].append(m)
+                    line += f"  model now {m:+6.1f}%"
+                print(line, flush=True)
+            plans = [dict(r, rewritten=r["now"]) for r in rows
+                     if r["kind"] == "plan" and "now" in r]
+            rank = ranking(plans, "rewritten")
+            if rank:
+                steps += 1
+                held += rank["predicted_best_within_1pct"]
+                print(f"  plans by rewritten now: agree {rank['pairwise_agreement']}, "
+                      f"best +{rank['predicted_best_over_best_pct']}%", flush=True)
+    if not errors["rewritten"]:
+        raise SystemExit("no stored --plans entry matches")
+    for k, errs in errors.items():
+        if errs:
+            print(f"\n{k}: {len(errs)} rows, {sum(abs(x) <= 5 for x in errs)} within 5%, "
+                  f"{sum(abs(x) <= 10 for x in errs)} within 10%; largest over "
+                  f"{max(errs):+.1f}%, under {min(errs):+.1f}%, mean absolute "
+                  f"{sum(abs(x) for x in errs) / len(errs):.1f}%")
+    print(f"the lowest rewritten prediction compiles within 1% of the best plan on {held} "
+          f"of {steps} steps")
+    return 0

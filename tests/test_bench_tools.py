@@ -180,3 +180,48 @@ def test_repredict_prints_each_stored_plain_row_against_its_compiled_peak(capsys
     out = capsys.readouterr().out
     assert "stored   +1.0%  now   +0.0%" in out and "bench" not in out
     assert "1 rows: 1 within 5%, 1 within 10%" in out
+
+
+def test_repredict_plans_predicts_every_stored_candidate_without_compiling(tmp_path, capsys,
+                                                                          monkeypatch):
+    """``prediction --repredict --plans``: each stored candidate of a ``--plans`` file is
+    found among today's candidates by name, its rewritten step predicted again against its
+    stored compiled peak (here the prediction itself: 0.0%), and nothing is compiled."""
+    import json
+
+    from jaxmem.program import from_jaxpr
+
+    import jaxmem
+    from benchmarks import prediction, prediction_plans
+    from jaxmem.analyzing.analysis import from_program
+    from jaxmem.xla import measure
+
+    w = prediction_plans.workload("mlp", "test", "cpu")
+    step, cands = prediction_plans.candidates(w, "cpu")
+    plans = [c for c in cands if not c.plan.loss_policy]
+    assert plans
+
+    def peak(c):
+        prog = from_jaxpr(c.jitted.trace(*step.flat).jaxpr)
+        return from_program(prog, donated=step.donate_flat).peak_bytes
+
+    plain = jaxmem.analyze(w.step, *w.args, donate_argnums=0).peak_bytes
+    rows = [{"candidate": c.plan.strategy, "kind": "plan", "compiled": peak(c),
+             "rewritten_error_pct": 3.0} for c in plans[:2]]
+    rows.append({"candidate": "gone", "kind": "plan", "compiled": 1,
+                 "rewritten_error_pct": 0.0})
+    entry = {"model": "mlp", "size": "test", "target": "cpu", "candidates": rows,
+             "plain": {"candidate": "plain", "kind": "plain", "compiled": plain,
+                       "rewritten_error_pct": 0.0}}
+    path = tmp_path / "plans-cpu-test.json"
+    path.write_text(json.dumps({"meta": {}, "models": [entry]}))
+
+    def no_compile(*a, **k):
+        raise AssertionError("compiled")
+    monkeypatch.setattr(measure, "compile", no_compile)
+    assert prediction.main(["--repredict", "--plans", "--files", str(path)]) == 0
+    out = capsys.readouterr().out
+    first = rows[0]["candidate"][:48]
+    assert f"{first:48s} compiled" in out and "stored   +3.0% now   +0.0%" in out
+    assert "gone" in out and "not among today's candidates" in out
+    assert "rewritten: 3 rows, 3 within 5%" in out
