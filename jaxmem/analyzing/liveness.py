@@ -31,9 +31,16 @@ from jaxmem.analyzing.schedule import schedule
 from jaxmem.tracing.primitives import CHEAP, Kind
 from jaxmem.tracing.program import Node, Program, from_jaxpr
 
-__all__ = ["aliased_outputs", "last_uses", "liveness", "materialised"]
+__all__ = ["aliased_outputs", "buffers", "last_uses", "liveness", "materialised"]
 
 _REDUCTIONS = ("reduce_", "argm", "cum", "reduce_window", "select_and")
+
+
+def _held(program: Program, v: int, barrier: Node) -> bool:
+    """Whether ``optimization_barrier`` node ``barrier`` passes value ``v`` on to a reader
+    (its output for ``v`` is read)."""
+    return any(program.users.get(o) for a, o in
+               zip(barrier.inputs, barrier.outputs, strict=False) if a == v)
 
 
 def _is_reduction(name: str) -> bool:
@@ -42,7 +49,15 @@ def _is_reduction(name: str) -> bool:
 
 def materialised(program: Program, platform: str = "cpu", *, fold_dots: bool = True
                  ) -> list[bool]:
-    """Per value: whether XLA is expected to give it a buffer of its own (fusion model).
+    """Per value: whether XLA is expected to give it a buffer of its own (fusion model);
+    :func:`buffers`' first half."""
+    return buffers(program, platform, fold_dots=fold_dots)[0]
+
+
+def buffers(program: Program, platform: str = "cpu", *, fold_dots: bool = True
+            ) -> tuple[list[bool], frozenset[int]]:
+    """Per value: whether XLA is expected to give it a buffer of its own (fusion model);
+    and the values whose buffer is made late (see below).
 
     ``fold_dots``: a value the target folds into the matmuls reading it
     (:func:`~jaxmem.analyzing.fusion.folds_into_dot`) gets none (False: counted as stored,
@@ -55,18 +70,31 @@ def materialised(program: Program, platform: str = "cpu", *, fold_dots: bool = T
     XLA:GPU stores). If a reader sits in another phase (a residual), XLA duplicates the
     producer there when that needs no extra buffer (every operand is stored, or is itself
     duplicable) and it is not expensive (a transcendental); otherwise the value is stored.
+
+    ``optimization_barrier`` (the rewrite's and ``jax.checkpoint``'s) passes its operands'
+    buffers on, and XLA keeps it through fusion (XLA:GPU until after scheduling, XLA:CPU
+    with the barrier flag): its outputs are no buffers of their own, an operand whose
+    output is read is a buffer (an unread one holds nothing). Where that operand is cheap
+    and made from buffers alone, and nothing else needs it stored, XLA computes it in a
+    fusion of its own right before the barrier's readers need it (its other readers fuse
+    it): such values are *late*, their buffer made where the barrier's readers are.
     """
     out_set = set(program.outputs)
     users = program.users
     values = program.values
     mat = [False] * len(values)
     dup = [False] * len(values)  # fused, and re-creatable from stored values alone
+    late: set[int] = set()
     for v in values:
         if v.producer is None or v.nbytes == 0:
             dup[v.id] = v.producer is None
             continue
         node = program.nodes[v.producer]
         rd = users.get(v.id, ())
+        if node.primitive == "optimization_barrier" and v.id not in out_set:
+            # the operand's own buffer, passed on (its readers read that buffer: schedule)
+            dup[v.id] = True
+            continue
         if not rd:
             mat[v.id] = v.id in out_set
             continue
@@ -88,16 +116,24 @@ def materialised(program: Program, platform: str = "cpu", *, fold_dots: bool = T
         # read by max-pooling alone, which computes it in its kernels (fusion.pooled_in_kernel)
         pooled = node.primitive != "concatenate" and pooled_in_kernel(
             tuple(program.nodes[i].primitive for i in rd), platform)
+        held = False
         for i in rd:
             u = program.nodes[i]
             if gemm and u.primitive == "dot_general":
+                continue
+            if u.primitive == "optimization_barrier":
+                held = held or _held(program, v.id, u)
                 continue
             if (u.kind not in CHEAP or (_is_reduction(u.primitive) and not pooled)
                     or (u.phase != node.phase and not avail)):
                 mat[v.id] = True
                 break
+        if held and not mat[v.id]:
+            mat[v.id] = True
+            if avail and all(mat[a] or values[a].producer is None for a in node.inputs):
+                late.add(v.id)
         dup[v.id] = not mat[v.id] and avail
-    return mat
+    return mat, frozenset(late)
 
 
 def last_uses(program: Program, mat: Sequence[bool]) -> dict[int, int]:
@@ -234,7 +270,7 @@ def liveness(program: Program, *, count_inputs: bool = True,
     Nodes run in :func:`jaxmem.analyzing.schedule.schedule`'s order.
     """
     nodes, values = program.nodes, program.values
-    mat = materialised(program, platform, fold_dots=fold_dots)
+    mat, late = buffers(program, platform, fold_dots=fold_dots)
     end = len(nodes)
     arg_bytes = sum(values[i].nbytes for i in program.inputs) if count_inputs else 0
     # Outputs that are inputs or constants get an output buffer of their own (a copy).
@@ -247,8 +283,9 @@ def liveness(program: Program, *, count_inputs: bool = True,
     # An output that aliases a donated input is written into that input's buffer: it costs
     # nothing beyond the arguments (XLA's ``alias``); a returned input needs no copy then.
     passthrough -= sum(values[v].nbytes for v in aliased if values[v].producer is None)
-    order = schedule(program, mat, aliased)
+    order = schedule(program, mat, aliased, late)
     last = order.last_use(program)
+    made = order.made_at(late)
     steps = len(order.order)
     delta = np.zeros(steps + 2, dtype=np.int64)
     for v in values:
@@ -256,7 +293,7 @@ def liveness(program: Program, *, count_inputs: bool = True,
             continue
         if device_only and "Host" in str(v.memory_space):
             continue
-        start = order.position[v.producer]
+        start = made.get(v.id, order.position[v.producer])
         delta[min(start, steps)] += v.nbytes
         delta[max(last.get(v.id, start), start) + 1] -= v.nbytes
     _upcasts(program, order.position, delta, platform)

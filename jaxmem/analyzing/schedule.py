@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
-from jaxmem.tracing.program import Program
+from jaxmem.tracing.program import Node, Program
 
 __all__ = ["SLACK", "Schedule", "schedule"]
 
@@ -56,21 +56,64 @@ class Schedule:
             last[v] = end
         return last
 
+    def made_at(self, values: frozenset[int]) -> dict[int, int]:
+        """Value id -> the position of its first reader, for ``values`` (those made right
+        before they are read: late values) that are read."""
+        first: dict[int, int] = {}
+        for n, ins in self.reads.items():
+            p = self.position[n]
+            for v in ins & values:
+                if first.get(v, p + 1) > p:
+                    first[v] = p
+        return first
 
-def _reads(program: Program, mat: Sequence[bool]) -> dict[int, frozenset[int]]:
-    """Per buffer-making node, the buffers it reads (through fused values)."""
+
+def _is_barrier(node: Node) -> bool:
+    return (node.primitive == "optimization_barrier"
+            and len(node.inputs) == len(node.outputs))
+
+
+def _sources(node: Node, v: int) -> Sequence[int]:
+    """The inputs of ``node`` that its output ``v`` is computed from: all of them, but for
+    ``optimization_barrier``, whose ``k``-th output is its ``k``-th operand (XLA's tuple
+    of the operands' own buffers: each lives as long as its own readers, not as long as
+    the latest reader of any operand bundled with it)."""
+    if _is_barrier(node):
+        return (node.inputs[node.outputs.index(v)],)
+    return node.inputs
+
+
+def _reads(program: Program, mat: Sequence[bool], late: frozenset[int] = frozenset(),
+           whole: bool = False) -> dict[int, frozenset[int]]:
+    """Per buffer-making node, the buffers it reads (through fused values). A *late*
+    value (:func:`jaxmem.analyzing.liveness.buffers`) is read as a buffer only through the
+    barrier that holds it, whose readers also read what it is made from (it is made right
+    before them); its other readers fuse it. ``whole``: what each node waits for instead,
+    every operand of a barrier whose output it reads (no output of a barrier exists
+    before all its operands do: the ordering the rewrite's barriers exist for)."""
     memo: dict[int, frozenset[int]] = {}
     values, nodes = program.values, program.nodes
+
+    def inputs(v: int) -> frozenset[int]:
+        node = nodes[values[v].producer]
+        src = node.inputs if whole else _sources(node, v)
+        return frozenset().union(*(expand(u) for u in src))
 
     def expand(v: int) -> frozenset[int]:
         got = memo.get(v)
         if got is not None:
             return got
         val = values[v]
-        if val.producer is None or mat[v]:
+        if v in late:
+            got = inputs(v)
+        elif val.producer is None or mat[v]:
             got = frozenset((v,))
         else:
-            got = frozenset().union(*(expand(u) for u in nodes[val.producer].inputs))
+            (src,) = _sources(nodes[val.producer], v) if _is_barrier(nodes[val.producer]) \
+                else (None,)
+            got = (frozenset((src,)) | inputs(src) if src in late else inputs(v))
+            if whole and src is not None:
+                got |= inputs(v)
         memo[v] = got
         return got
 
@@ -82,23 +125,31 @@ def _reads(program: Program, mat: Sequence[bool]) -> dict[int, frozenset[int]]:
     return reads
 
 
-def schedule(program: Program, mat: Sequence[bool], aliased: frozenset[int] = frozenset()
-             ) -> Schedule:
+def schedule(program: Program, mat: Sequence[bool], aliased: frozenset[int] = frozenset(),
+             late: frozenset[int] = frozenset()) -> Schedule:
     """The run order of ``program``'s buffer-making nodes (see the module docstring).
 
     ``mat``: per value, whether it has a buffer (:func:`jaxmem.analyzing.liveness.materialised`);
-    ``aliased``: outputs written into donated inputs (they allocate nothing).
+    ``aliased``: outputs written into donated inputs (they allocate nothing); ``late``:
+    values made right before the readers of the barrier that holds them
+    (:func:`jaxmem.analyzing.liveness.buffers`, :meth:`Schedule.made_at`).
     """
     values, nodes = program.values, program.nodes
-    reads = _reads(program, mat)
+    reads = _reads(program, mat, late)
+    deps = _reads(program, mat, late, whole=True)
     out_set = set(program.outputs)
-    readers: dict[int, list[int]] = defaultdict(list)
+    readers: dict[int, list[int]] = defaultdict(list)  # buffer -> nodes reading it
+    waiters: dict[int, list[int]] = defaultdict(list)  # buffer -> nodes waiting for it
     waiting: dict[int, int] = {}
     for n, ins in reads.items():
-        made = [v for v in ins if values[v].producer is not None]
+        for v in ins:
+            if values[v].producer is not None:
+                readers[v].append(n)
+    for n, ins in deps.items():
+        made = [v for v in ins | reads[n] if values[v].producer is not None]
         waiting[n] = len({values[v].producer for v in made})
         for v in made:
-            readers[v].append(n)
+            waiters[v].append(n)
     remaining = {v: len(r) for v, r in readers.items()}
     alloc = {n: sum(values[o].nbytes for o in nodes[n].outputs
                     if mat[o] and o not in aliased) for n in reads}
@@ -125,10 +176,10 @@ def schedule(program: Program, mat: Sequence[bool], aliased: frozenset[int] = fr
                     remaining[v] -= 1
                     if remaining[v] == 1:
                         cand.extend(readers[v])
-            for o in nodes[k].outputs:
-                for r in readers.get(o, ()):
-                    waiting[r] -= 1
-                    cand.append(r)
+            # each node waits once per producer, however many of its outputs it reads
+            for r in dict.fromkeys(r for o in nodes[k].outputs for r in waiters.get(o, ())):
+                waiting[r] -= 1
+                cand.append(r)
             for r in dict.fromkeys(cand):
                 if r not in placed and not waiting[r] and net(r) <= SLACK:
                     stack.append(r)
