@@ -128,7 +128,13 @@ def test_gpu_gemms_read_a_transposed_weight_in_place():
 #: The zoo MLP at bench size: the cost model and the rewritten liveness both put
 #: ``selective(depth=2)`` lowest (80.25 MiB compiled), ``auto(regions=blocks at depth 2)``
 #: compiles to 78.91 (+1.7%) since the rewrite's barrier change of 2026-12-05.
-_H100_MISSES = {("prediction/plans-h100.json", "mlp"): 2.0}
+#: The zoo UNet at test size, since the liveness model reads the rewrite's barriers
+#: (docs/first_call.md, "The rewrite's barriers in the liveness model"): MEDL's plan and
+#: its per-block grouping tie in the cost model and are 0.2% apart in the rewritten
+#: liveness, which picks ``auto`` (284.5 KiB compiled) where the block grouping compiles
+#: to 275.8 (+1.4%).
+_H100_MISSES = {("prediction/plans-h100.json", "mlp"): 2.0,
+                ("prediction/plans-h100-test.json", "unet"): 2.0}
 
 
 def test_the_plain_error_bound_covers_every_measured_over_prediction():
@@ -179,12 +185,15 @@ def test_the_rewritten_step_bound_covers_every_measured_plan():
 def test_ranking_union_reads_the_plans_files():
     """``benchmarks.ranking_union`` over the committed ``prediction --plans`` files: the
     union of the cost model's three and the rewritten step's first never lands above either
-    set alone, and held the compiled best on every step there (what ``verify="builtins"``
-    relies on since ``with_rewritten_best``); what ``verify=True`` compiles first since
-    issue 37 (``default``) is a subset of it, and on every H100-target step holds a plan
-    within 1% of every compiled candidate, built-ins and plain included, but the misses
-    docs/first_call.md lists with their cause (``_H100_MISSES``: no more than that)."""
+    set alone, and held the compiled best on every step there, to within what the ranking
+    counts as a tie (``TIE``, 1%: transformers' ResNet18's two selective plans compile
+    0.1% apart; what ``verify="builtins"`` relies on since ``with_rewritten_best``); what
+    ``verify=True`` compiles first since issue 37 (``default``) is a subset of it, and on
+    every H100-target step holds a plan within 1% of every compiled candidate, built-ins
+    and plain included, but the misses docs/first_call.md lists with their cause
+    (``_H100_MISSES``: no more than that)."""
     from benchmarks import ranking_union
+    from benchmarks.prediction_plans import TIE
 
     files = ("prediction/plans-cpu.json", "prediction/plans-h100.json",
              "prediction/plans-cpu-test.json", "prediction/plans-h100-test.json",
@@ -197,7 +206,7 @@ def test_ranking_union_reads_the_plans_files():
         union = sets["union"]["over"]
         assert union is not None and union <= min(
             x["over"] for x in (sets["model3"], sets["rewritten1"]) if x["over"] is not None)
-        assert union == 0.0
+        assert union <= 100 * TIE, (f, model, sets)
         assert 1 <= sets["default"]["n"] <= sets["union"]["n"] + 1
         if target == "h100":
             assert sets["all"]["over"] <= _H100_MISSES.get((f, model), 1.0), (f, model, sets)
