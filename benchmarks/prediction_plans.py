@@ -32,7 +32,7 @@ from jaxmem.analyzing.costmodel import PROFILES, CostModel
 from jaxmem.compiling import choose, plan_cache
 from jaxmem.compiling.steps import rewrite_key
 
-TIE = 0.01  # compiled peaks closer than this are a tie (jaxmem.xla.measure.PEAK_TIE is 0.5%)
+TIE = 0.01  # compiled peaks closer than this are a tie (jaxmem.xla.measure.PEAK_TIE: 0.01%)
 
 
 def workload(name: str, size: str, target: str) -> Any:
