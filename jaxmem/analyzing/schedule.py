@@ -136,7 +136,8 @@ def schedule(program: Program, mat: Sequence[bool], aliased: frozenset[int] = fr
     """
     values, nodes = program.values, program.nodes
     reads = _reads(program, mat, late)
-    deps = _reads(program, mat, late, whole=True)
+    deps = (_reads(program, mat, late, whole=True)
+            if any(_is_barrier(n) for n in nodes) else reads)
     out_set = set(program.outputs)
     readers: dict[int, list[int]] = defaultdict(list)  # buffer -> nodes reading it
     waiters: dict[int, list[int]] = defaultdict(list)  # buffer -> nodes waiting for it
