@@ -94,8 +94,9 @@ def _workload(name: str, size: str, target: str) -> Any:
 
 
 def _args(w: zoo.Workload, target: str) -> Any:
-    return w.args if target == "cpu" else jaxmem.targets.place(
-        w.args, target, sharding=getattr(w, "sharding", None))
+    from benchmarks.prediction_plans import placed
+
+    return placed(w, target)
 
 
 def plain_row(w: zoo.Workload, target: str) -> dict[str, Any]:

@@ -50,10 +50,29 @@ def workload(name: str, size: str, target: str) -> Any:
     return SimpleNamespace(args=(e.state, e.batch), step=e.make_step(), sharding=e.sharding)
 
 
+def placed(w: zoo.Workload, target: str) -> tuple[Any, ...]:
+    """``w``'s arguments as they are compiled for ``target`` (on a target other than the
+    CPU, placed on its devices with the workload's sharding)."""
+    return w.args if target == "cpu" else jaxmem.targets.place(
+        w.args, target, sharding=getattr(w, "sharding", None))
+
+
+def _verify_all(w: zoo.Workload, target: str, compile_candidates: Any) -> Any:
+    """``jaxmem.optimize(w.step, verify="all").plan`` on ``target`` with an empty plan
+    cache, ``compile_candidates`` standing in for :func:`choose.compile_candidates` for the
+    call; the plan chosen."""
+    original = choose.compile_candidates
+    plan_cache.clear_memory()
+    choose.compile_candidates = compile_candidates
+    try:
+        return jaxmem.optimize(w.step, donate_argnums=(0,), verify="all").plan(
+            *placed(w, target))
+    finally:
+        choose.compile_candidates = original
+
+
 def captured(w: zoo.Workload, target: str) -> dict[str, Any]:
     """``verify``'s compiles of ``w`` on ``target``: step, candidates, compiled figures."""
-    args = w.args if target == "cpu" else jaxmem.targets.place(
-        w.args, target, sharding=getattr(w, "sharding", None))
     seen: list[tuple[Any, Any, Any, Any]] = []
     original = choose.compile_candidates
 
@@ -62,14 +81,9 @@ def captured(w: zoo.Workload, target: str) -> dict[str, Any]:
         seen.append((step, cands, base, compiled))
         return base, compiled
 
-    plan_cache.clear_memory()
-    choose.compile_candidates = spy
-    try:
-        t0 = time.perf_counter()
-        chosen = jaxmem.optimize(w.step, donate_argnums=(0,), verify="all").plan(*args)
-        seconds = time.perf_counter() - t0
-    finally:
-        choose.compile_candidates = original
+    t0 = time.perf_counter()
+    chosen = _verify_all(w, target, spy)
+    seconds = time.perf_counter() - t0
     if not seen:
         raise RuntimeError(f"verify compiled no candidates (plan {chosen.strategy!r})")
     step, _, base, compiled = seen[-1]
@@ -77,26 +91,46 @@ def captured(w: zoo.Workload, target: str) -> dict[str, Any]:
             "seconds": seconds}
 
 
+def _plain(step: Any, target: str) -> tuple[Any, Any, Any]:
+    """``target``, the plain step's analysis on it, and its cost model."""
+    t = jaxmem.targets.get(target)
+    analysis = from_program(step.program, donated=step.donate_flat, platform=t.platform)
+    return t, analysis, CostModel(analysis, t.profile if t.profile in PROFILES else None)
+
+
+def _names(plans: list[Any]) -> list[str]:
+    """The candidates' row names: their strategies, a repeated one suffixed (plan_auto's
+    strict variant)."""
+    names: list[str] = []
+    for plan in plans:
+        name = plan.strategy
+        if name in names:
+            name += " (strict: 5% per layer)" if name == "auto" else f" [{len(names)}]"
+        names.append(name)
+    return names
+
+
+def _rewritten(cand: Any, step: Any, platform: str) -> int:
+    """The predicted peak of ``cand``'s own jaxpr (its rewrite of ``step``), state
+    donated."""
+    prog = from_jaxpr(cand.jitted.trace(*step.flat).jaxpr)
+    return from_program(prog, donated=step.donate_flat, platform=platform).peak_bytes
+
+
 def predictions(cap: dict[str, Any], target: str) -> tuple[dict[str, Any], list[dict]]:
     """The plain step's row and one row per candidate: predictions and compiled peak."""
     step = cap["step"]
-    t = jaxmem.targets.get(target)
-    analysis = from_program(step.program, donated=step.donate_flat, platform=t.platform)
-    model = CostModel(analysis, t.profile if t.profile in PROFILES else None)
+    t, analysis, model = _plain(step, target)
     plain = _row("plain", "plain", analysis.peak_bytes, None, cap["base"].figures)
     rows: list[dict[str, Any]] = []
     chosen = _identity(cap["chosen"])
-    for c in cap["compiled"]:
+    names = _names([c.candidate.plan for c in cap["compiled"]])
+    for c, name in zip(cap["compiled"], names, strict=True):
         plan = c.candidate.plan
         kind = "builtin" if plan.loss_policy else "plan"
-        name = plan.strategy
-        if any(r["candidate"] == name for r in rows):  # plan_auto's strict variant
-            name += " (strict: 5% per layer)" if name == "auto" else f" [{len(rows)}]"
         t0 = time.perf_counter()
         try:
-            prog = from_jaxpr(c.candidate.jitted.trace(*step.flat).jaxpr)
-            rewritten = from_program(prog, donated=step.donate_flat,
-                                     platform=t.platform).peak_bytes
+            rewritten = _rewritten(c.candidate, step, t.platform)
         except Exception as e:  # noqa: BLE001 - recorded; the others go on
             rewritten = None
             print(f"  {plan.strategy}: not analysed: {type(e).__name__}: {e}"[:200])
@@ -262,21 +296,13 @@ class _Candidates(Exception):  # noqa: N818 - a control-flow signal, not an erro
 def candidates(w: zoo.Workload, target: str) -> tuple[Any, list[Any]]:
     """The step and the candidates ``verify="all"`` would compile for ``w`` on ``target``
     (read where they are handed to the compiler), none compiled."""
-    args = w.args if target == "cpu" else jaxmem.targets.place(
-        w.args, target, sharding=getattr(w, "sharding", None))
-    original = choose.compile_candidates
-
     def stop(step: Any, cands: Any) -> Any:
         raise _Candidates(step, cands)
 
-    plan_cache.clear_memory()
-    choose.compile_candidates = stop
     try:
-        jaxmem.optimize(w.step, donate_argnums=(0,), verify="all").plan(*args)
+        _verify_all(w, target, stop)
     except _Candidates as got:
         return got.step, list(got.cands)
-    finally:
-        choose.compile_candidates = original
     raise RuntimeError("verify compiled no candidates")
 
 
@@ -285,25 +311,15 @@ def repredicted(e: dict[str, Any]) -> list[dict[str, Any]]:
     rewritten step's liveness predicted with the model as it is now, and ``model_now``:
     the cost model's (plans only). Rows are matched by candidate name as
     :func:`predictions` names them; a stored row no candidate matches gets neither."""
-    target = e["target"]
-    step, cands = candidates(workload(e["model"], e["size"], target), target)
-    t = jaxmem.targets.get(target)
-    analysis = from_program(step.program, donated=step.donate_flat, platform=t.platform)
-    model = CostModel(analysis, t.profile if t.profile in PROFILES else None)
-    named: dict[str, Any] = {}
-    for c in cands:
-        name = c.plan.strategy
-        if name in named:  # plan_auto's strict variant, as predictions() names it
-            name += " (strict: 5% per layer)" if name == "auto" else f" [{len(named)}]"
-        named[name] = c
+    step, cands = candidates(workload(e["model"], e["size"], e["target"]), e["target"])
+    t, analysis, model = _plain(step, e["target"])
+    named = dict(zip(_names([c.plan for c in cands]), cands, strict=True))
     rows = []
     for r in e["candidates"]:
         r = dict(r)
         c = named.get(r["candidate"])
         if c is not None:
-            prog = from_jaxpr(c.jitted.trace(*step.flat).jaxpr)
-            r["now"] = from_program(prog, donated=step.donate_flat,
-                                    platform=t.platform).peak_bytes
+            r["now"] = _rewritten(c, step, t.platform)
             if not c.plan.loss_policy:
                 r["model_now"] = model.evaluate(c.plan.recompute, c.plan.offload).peak
         rows.append(r)
