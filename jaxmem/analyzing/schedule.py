@@ -109,8 +109,8 @@ def _reads(program: Program, mat: Sequence[bool], late: frozenset[int] = frozens
         elif val.producer is None or mat[v]:
             got = frozenset((v,))
         else:
-            (src,) = _sources(nodes[val.producer], v) if _is_barrier(nodes[val.producer]) \
-                else (None,)
+            node = nodes[val.producer]
+            src = _sources(node, v)[0] if _is_barrier(node) else None
             got = (frozenset((src,)) | inputs(src) if src in late else inputs(v))
             if whole and src is not None:
                 got |= inputs(v)
