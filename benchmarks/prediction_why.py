@@ -33,21 +33,22 @@ from typing import Any
 def _jaxmem_live(program: Any, donated: tuple[int, ...], platform: str, top: int) -> None:
     import numpy as np
 
-    from jaxmem.analyzing.liveness import aliased_outputs, liveness, materialised
+    from jaxmem.analyzing.liveness import aliased_outputs, buffers, liveness
     from jaxmem.analyzing.schedule import schedule
 
     peak, _, _ = liveness(program, donated=donated, platform=platform)
-    mat = materialised(program, platform)
+    mat, late = buffers(program, platform)
     aliased = aliased_outputs(program, donated)
-    order = schedule(program, mat, aliased)
+    order = schedule(program, mat, aliased, late)
     last = order.last_use(program)
+    made = order.made_at(late)
     steps = len(order.order)
     delta = np.zeros(steps + 2, dtype=np.int64)
     spans = []
     for v in program.values:
         if v.producer is None or not mat[v.id] or v.id in aliased:
             continue
-        start = order.position[v.producer]
+        start = made.get(v.id, order.position[v.producer])
         end = max(last.get(v.id, start), start)
         delta[min(start, steps)] += v.nbytes
         delta[end + 1] -= v.nbytes

@@ -1,4 +1,5 @@
-"""Where the cost model orders candidate plans unlike the compiler, pair by pair, and why.
+"""Where the cost model (or the rewritten steps' liveness) orders candidate plans unlike the
+compiler, pair by pair, and why.
 
 ``python -m benchmarks.prediction --plans`` compiles every candidate plan of a step and
 records its compiled peak, the cost model's prediction (``model``) and the rewritten step's
@@ -36,6 +37,15 @@ Run::
 
 A step whose candidates today differ from the file's (names, count) is reported and
 skipped: its figures were taken on other plans.
+
+``--key rewritten`` checks the rewritten steps' liveness instead (the figure
+``verify=True`` ranks its first compiles by, beside the model's): nothing is traced, the
+figures are the files'; a pair it orders unlike the compiler is ``tied`` (equal
+predictions), ``model`` (the cost model orders it right) or ``compiler``::
+
+    python -m benchmarks.ranking_disagreements --key rewritten \
+        benchmarks/results/prediction/plans-h100.json ... \
+        --out benchmarks/results/prediction/disagreements-rewritten-h100
 """
 
 from __future__ import annotations
@@ -55,8 +65,6 @@ from typing import Any
 import numpy as np
 
 from benchmarks.prediction_plans import TIE  # compiled peaks closer than this are a tie
-
-CAUSES = ("tied", "fused", "rewritten", "compiler")
 
 
 class FusedFree:
@@ -91,24 +99,31 @@ def apart(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return abs(a["compiled"] - b["compiled"]) > TIE * max(a["compiled"], b["compiled"])
 
 
-def cause(a: dict[str, Any], b: dict[str, Any]) -> str | None:
-    """Why the ``model`` figures of rows ``a`` and ``b`` order them unlike their
-    ``compiled`` peaks (None: they agree, or the compiled peaks tie within :data:`TIE`)."""
+#: Per figure ranked (``--key``): the other figures that may order a pair it gets wrong,
+#: tried in this order (the first that orders it right names the cause).
+OTHERS = {"model": ("fused", "rewritten"), "rewritten": ("model",)}
+
+
+def cause(a: dict[str, Any], b: dict[str, Any], key: str = "model") -> str | None:
+    """Why the ``key`` figures of rows ``a`` and ``b`` order them unlike their ``compiled``
+    peaks (None: they agree, or the compiled peaks tie within :data:`TIE`): ``tied`` (equal
+    ``key`` figures), the first of :data:`OTHERS` that orders them right, or
+    ``compiler``."""
     if not apart(a, b):
         return None
 
-    def right(key: str) -> bool:
-        if a.get(key) is None or b.get(key) is None or a[key] == b[key]:
+    def right(k: str) -> bool:
+        if a.get(k) is None or b.get(k) is None or a[k] == b[k]:
             return False
-        return (a[key] < b[key]) == (a["compiled"] < b["compiled"])
+        return (a[k] < b[k]) == (a["compiled"] < b["compiled"])
 
-    if right("model"):
+    if right(key):
         return None
-    if a["model"] == b["model"]:
+    if a.get(key) is not None and a[key] == b.get(key):
         return "tied"
-    for key in ("fused", "rewritten"):
-        if right(key):
-            return key
+    for other in OTHERS[key]:
+        if right(other):
+            return other
     return "compiler"
 
 
@@ -161,44 +176,54 @@ def _strategy(row_name: str) -> str:
     return row_name.removesuffix(" (chosen)").split(" (strict")[0].split(" [")[0]
 
 
-def step(entry: dict[str, Any]) -> dict[str, Any]:
-    """One step of a plans file: its plan rows with ``fused`` added, its disagreeing pairs
-    and their causes, and the mean absolute errors of ``model`` and ``fused``."""
+def step(entry: dict[str, Any], key: str = "model") -> dict[str, Any]:
+    """One step of a plans file: its plan rows (``key`` ``model``: with ``fused`` added, the
+    step traced again), the pairs ``key`` orders unlike the compiler and their causes, and
+    the mean absolute errors of ``model``, ``fused`` and ``rewritten``."""
     rows = [dict(r) for r in entry["candidates"] if r["kind"] == "plan"]
-    model, plans = candidates(entry["model"], entry["size"], entry["target"])
-    names = [p.strategy for p in plans]
-    if names != [_strategy(r["candidate"]) for r in rows]:
-        return {"skipped": f"candidates differ from the file's: now {names}"}
-    ff = FusedFree(model)
-    for r, p in zip(rows, plans, strict=True):
-        r["model_now"] = model.evaluate(p.recompute, p.offload).peak
-        r["fused"] = ff.peak(p.recompute, p.offload)
+    if key == "model":
+        model, plans = candidates(entry["model"], entry["size"], entry["target"])
+        names = [p.strategy for p in plans]
+        if names != [_strategy(r["candidate"]) for r in rows]:
+            return {"skipped": f"candidates differ from the file's: now {names}"}
+        ff = FusedFree(model)
+        for r, p in zip(rows, plans, strict=True):
+            r["model_now"] = model.evaluate(p.recompute, p.offload).peak
+            r["fused"] = ff.peak(p.recompute, p.offload)
     pairs = []
     for a, b in combinations(rows, 2):
-        why = cause(a, b)
+        why = cause(a, b, key)
         if why is not None:
             pairs.append({"a": a["candidate"], "b": b["candidate"], "cause": why,
                           "compiled": [a["compiled"], b["compiled"]],
                           "model": [a["model"], b["model"]],
-                          "fused": [a["fused"], b["fused"]],
+                          "fused": [a.get("fused"), b.get("fused")],
                           "rewritten": [a["rewritten"], b["rewritten"]]})
     n_pairs = sum(apart(a, b) for a, b in combinations(rows, 2))
 
-    def mean_err(key: str) -> float:
-        return round(100 * float(np.mean([abs(r[key] / r["compiled"] - 1) for r in rows
-                                          if r.get(key)])), 1)
+    def mean_err(k: str) -> float | None:
+        errs = [abs(r[k] / r["compiled"] - 1) for r in rows if r.get(k)]
+        return round(100 * float(np.mean(errs)), 1) if errs else None
 
     return {"rows": rows, "pairs": n_pairs, "disagreements": pairs,
             "err_model_pct": mean_err("model"), "err_fused_pct": mean_err("fused"),
             "err_rewritten_pct": mean_err("rewritten"),
-            "model_reproduced": all(r["model_now"] == r["model"] for r in rows)}
+            "model_reproduced": all(r.get("model_now", r["model"]) == r["model"]
+                                    for r in rows)}
+
+
+def causes(key: str) -> tuple[str, ...]:
+    """The causes a disagreement of ``key``'s figures is put down to (:func:`cause`)."""
+    return ("tied", *OTHERS[key], "compiler")
 
 
 def markdown(meta: dict[str, Any], steps: list[dict[str, Any]]) -> str:
+    key = meta.get("key", "model")
+    kinds = causes(key)
     out = [f"`{meta['command']}` ({meta['date']}, commit {str(meta['git_commit'])[:10]})", "",
-           "| step | plans | pairs | model orders unlike the compiler | " +
-           " | ".join(CAUSES) + " | mean abs. error: model | fused | rewritten |",
-           "|---|---:|---:|---:|" + "---:|" * len(CAUSES) + "---:|---:|---:|"]
+           f"| step | plans | pairs | {key} orders unlike the compiler | " +
+           " | ".join(kinds) + " | mean abs. error: model | fused | rewritten |",
+           "|---|---:|---:|---:|" + "---:|" * len(kinds) + "---:|---:|---:|"]
     total: Counter[str] = Counter()
     n_pairs = 0
     for s in steps:
@@ -209,13 +234,13 @@ def markdown(meta: dict[str, Any], steps: list[dict[str, Any]]) -> str:
         total.update(c)
         n_pairs += s["pairs"]
         out.append(f"| {s['key']} | {len(s['rows'])} | {s['pairs']} | "
-                   f"{len(s['disagreements'])} | " + " | ".join(str(c[k]) for k in CAUSES)
-                   + f" | {s['err_model_pct']}% | {s['err_fused_pct']}% | "
-                   f"{s['err_rewritten_pct']}% |")
+                   f"{len(s['disagreements'])} | " + " | ".join(str(c[k]) for k in kinds)
+                   + f" | {_pct(s['err_model_pct'])} | {_pct(s['err_fused_pct'])} | "
+                   f"{_pct(s['err_rewritten_pct'])} |")
     bad = sum(total.values())
     out += ["", f"{bad} of {n_pairs} pairs ordered unlike the compiler "
             f"({100 * (1 - bad / max(n_pairs, 1)):.1f}% agree); causes: "
-            + ", ".join(f"{k} {total[k]}" for k in CAUSES) + ".", "",
+            + ", ".join(f"{k} {total[k]}" for k in kinds) + ".", "",
             "| step | plan a | plan b | compiled MiB | model MiB | fused MiB | rewritten MiB "
             "| cause |", "|---|---|---|---|---|---|---|---|"]
 
@@ -230,10 +255,17 @@ def markdown(meta: dict[str, Any], steps: list[dict[str, Any]]) -> str:
     return "\n".join(out) + "\n"
 
 
+def _pct(x: float | None) -> str:
+    return "–" if x is None else f"{x}%"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("files", nargs="+", help="JSON of python -m benchmarks.prediction --plans")
     ap.add_argument("--out", type=Path, help="write OUT.md and OUT.json")
+    ap.add_argument("--key", choices=sorted(OTHERS), default="model",
+                    help="the figure whose order is checked: the cost model's (each step "
+                    "traced again) or the rewritten steps' liveness (read from the files)")
     a = ap.parse_args(argv)
     root = Path(__file__).resolve().parents[1]
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
@@ -241,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"command": "python -m benchmarks.ranking_disagreements "
             + " ".join(sys.argv[1:] if argv is None else argv),
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "git_commit": commit, "tie": TIE}
+            "git_commit": commit, "tie": TIE, "key": a.key}
     steps = []
     for f in a.files:
         for e in json.loads(Path(f).read_text())["models"]:
@@ -249,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             key = f"{e['model']} ({e['size']}, {e['target']})"
             try:
-                s = step(e)
+                s = step(e, a.key)
             except Exception as ex:  # noqa: BLE001 - reported; the others go on
                 s = {"skipped": f"{type(ex).__name__}: {ex}".splitlines()[0]}
             s["key"] = key

@@ -33,7 +33,14 @@ from pathlib import Path
 from typing import Any
 
 import jaxmem
-from jaxmem.compiling.predicted import REWRITTEN_OVERRULES, REWRITTEN_WITHIN, TIES_BY_REWRITTEN
+from jaxmem.compiling.predicted import (
+    CROWD,
+    REWRITTEN_DEFERS,
+    REWRITTEN_OVERRULES,
+    REWRITTEN_WITHIN,
+    TIES_BY_REWRITTEN,
+    plain_bound,
+)
 
 
 def first(rows: list[dict[str, Any]], key: str, k: int) -> list[dict[str, Any]]:
@@ -53,12 +60,16 @@ def over_best(rows: list[dict[str, Any]], chosen: list[dict[str, Any]]) -> float
     return 100.0 * (min(r["compiled"] for r in chosen) / best - 1.0)
 
 
-def default(rows: list[dict[str, Any]], target: str = "cpu") -> list[dict[str, Any]]:
+def default(rows: list[dict[str, Any]], target: str = "cpu",
+            plain_pred: int | None = None) -> list[dict[str, Any]]:
     """What ``verify=True`` compiles first: the rows tied at the lowest ``model`` figure
     (on a target in ``TIES_BY_REWRITTEN``, only the one of them with the lowest
     ``rewritten`` figure), and the lowest ``rewritten`` among those within
     ``REWRITTEN_WITHIN`` of it, and of the others where it is more than
-    ``REWRITTEN_OVERRULES`` below them."""
+    ``REWRITTEN_OVERRULES`` below them; where more than ``CROWD`` are within
+    ``REWRITTEN_WITHIN`` and the plain step's prediction ``plain_pred`` is trusted
+    (``plain_bound``), less the model's rows predicted (rewritten) more than
+    ``REWRITTEN_DEFERS`` above the lowest of those."""
     tied = first(rows, "model", 1)
     if not tied:
         return []
@@ -73,6 +84,12 @@ def default(rows: list[dict[str, Any]], target: str = "cpu") -> list[dict[str, A
     far = first([r for r in rows if id(r) not in near_ids], "rewritten", 1)[:1]
     if ours and far and far[0]["rewritten"] < min(ours) * (1 - REWRITTEN_OVERRULES):
         best += far
+    crowd = (plain_pred is not None and len(near) > CROWD
+             and plain_bound(plain_pred, _platform(target)) is not None)
+    if crowd and best and best[0].get("rewritten") is not None:
+        lo = best[0]["rewritten"] * (1 + REWRITTEN_DEFERS)
+        tied = [r for r in tied if r is best[0] or r.get("rewritten") is None
+                or r["rewritten"] <= lo]
     return list({id(r): r for r in tied + best}.values())
 
 
@@ -92,7 +109,7 @@ def step_rows(path: str) -> list[tuple[str, str, int, dict[str, Any]]]:
         model3, rewritten1 = first(rows, "model", 3), first(rows, "rewritten", 1)
         union = list({id(r): r for r in model3 + rewritten1}.values())
         sets = {"model3": model3, "rewritten1": rewritten1, "union": union,
-                "default": default(rows, m["target"])}
+                "default": default(rows, m["target"], m["plain"].get("rewritten"))}
         figs = {k: {"over": over_best(rows, v), "n": len(v)} for k, v in sets.items()}
         every = [c for c in m["candidates"] if c.get("compiled")] + [m["plain"]]
         figs["all"] = {"over": over_best(every, sets["default"]), "n": len(sets["default"])}

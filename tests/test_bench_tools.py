@@ -49,6 +49,11 @@ def test_a_disagreement_is_put_down_to_the_first_figure_that_orders_it_right():
     assert cause(row(100, 20, 2, 1), row(200, 10, 1, 9)) == "rewritten"
     assert cause(row(100, 20, 2, 9), row(200, 10, 1, 1)) == "compiler"
     assert cause(row(100, 20, None, None), row(200, 10, None, None)) == "compiler"
+    # --key rewritten: the rewritten steps' order checked, the model's the one alternative
+    assert cause(row(100, 20, None, 1), row(200, 10, None, 9), "rewritten") is None
+    assert cause(row(100, 20, None, 5), row(200, 10, None, 5), "rewritten") == "tied"
+    assert cause(row(100, 10, None, 9), row(200, 20, None, 1), "rewritten") == "model"
+    assert cause(row(100, 20, None, 9), row(200, 10, None, 1), "rewritten") == "compiler"
 
 
 def test_fused_free_peak_is_the_plain_peak_when_everything_is_kept_and_drops_lower_it():
@@ -225,3 +230,25 @@ def test_repredict_plans_predicts_every_stored_candidate_without_compiling(tmp_p
     assert f"{first:48s} compiled" in out and "stored   +3.0% now   +0.0%" in out
     assert "gone" in out and "not among today's candidates" in out
     assert "rewritten: 3 rows, 3 within 5%" in out
+
+
+def test_rewritten_disagreements_are_listed_from_the_files_without_tracing():
+    from benchmarks import ranking_disagreements as rd
+
+    def row(name, compiled, model, rewritten):
+        return {"candidate": name, "kind": "plan", "compiled": compiled, "model": model,
+                "rewritten": rewritten}
+
+    entry = {"model": "m", "size": "bench", "target": "h100", "candidates": [
+        row("a", 100, 10, 50), row("b", 200, 20, 40), row("c", 300, 5, 35),
+        {"candidate": "plain", "kind": "plain", "compiled": 400, "model": None,
+         "rewritten": 300}]}
+    s = rd.step(entry, "rewritten")   # no trace: the step's name is no model
+    assert s["pairs"] == 3
+    assert [(p["a"], p["b"], p["cause"]) for p in s["disagreements"]] == [
+        ("a", "b", "model"), ("a", "c", "compiler"), ("b", "c", "compiler")]
+    s["key"] = "m (bench, h100)"
+    md = rd.markdown({"command": "x", "date": "d", "git_commit": None, "key": "rewritten"},
+                     [s])
+    assert "3 of 3 pairs ordered unlike the compiler (0.0% agree)" in md
+    assert "tied 0, model 1, compiler 2" in md

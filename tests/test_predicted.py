@@ -40,12 +40,13 @@ class _Model:
 def _run(monkeypatch, compiled: dict[str, int], plain_predicted: int = 100,
          plain: int = 100, predictions=(40, 10, 30, 20), rewritten=None,
          min_bytes: int = 0, within: float = 10.0, platform: str = "cpu",
-         too_large: frozenset[str] = frozenset()):
+         too_large: frozenset[str] = frozenset(), crowd: int = 99):
     """``predicted.predicted`` over four candidates (predicted 40, 10, 30, 20) with
     synthetic compiled peaks: what was compiled, in order (a group compiled together
     joined by "+"), and what runs. ``within``: ``REWRITTEN_WITHIN`` (default: every
     candidate's rewritten step analysed); ``too_large``: the candidates whose rewrite is
-    over ``MAX_REWRITE_GROWTH`` (the reasons the plan's notes get are in ``_run.skipped``)."""
+    over ``MAX_REWRITE_GROWTH`` (the reasons the plan's notes get are in ``_run.skipped``);
+    ``crowd``: ``CROWD`` (default: no crowd)."""
     order: list[str] = []
     events: list[str] = []  # compiles started and rewritten steps analysed, in order
     cands = [Candidate(SimpleNamespace(strategy=n, recompute=p, offload=(), notes=(),
@@ -54,6 +55,7 @@ def _run(monkeypatch, compiled: dict[str, int], plain_predicted: int = 100,
     monkeypatch.setattr(predicted, "CostModel", _Model)
     monkeypatch.setattr(predicted, "PLAIN_MIN_BYTES", min_bytes)
     monkeypatch.setattr(predicted, "REWRITTEN_WITHIN", within)
+    monkeypatch.setattr(predicted, "CROWD", crowd)
     monkeypatch.setattr(predicted, "rewrite_candidates", lambda *a: list(cands))
 
     def rewritten_peak(c, step, platform):
@@ -245,6 +247,43 @@ def test_the_first_group_compiles_while_the_rewritten_steps_are_analysed(monkeyp
     assert events[:2] == ["started b", "started d"], events
     assert events.index("started a") > max(i for i, e in enumerate(events)
                                            if e.startswith("analysed")), events
+
+
+def test_in_a_crowd_the_rewritten_steps_rank_the_models_choice_before_it_compiles(
+        monkeypatch):
+    """``CROWD``: where more candidates than that are near the model's lowest on a step
+    whose plain prediction is trusted, their rewritten steps are analysed before anything
+    compiles, and the model's choice compiles first only where its rewritten step is
+    within ``REWRITTEN_DEFERS`` of their lowest (transformers' ResNet18: one compile, not
+    two); where none of the first passes, it is compiled next."""
+    kw = dict(predictions=(40, 10, 30, 20), crowd=3)
+    # b (the model's) 10% above c (the rewritten lowest): c alone, after every analysis
+    order, ((name, _, _), _) = _run(monkeypatch, dict(a=60, b=75, c=70, d=75),
+                                    rewritten=dict(a=90, b=71.5, c=65, d=66), **kw)
+    assert order == ["c"] and name == "c"
+    events = _run.events
+    assert events.index("started c") > max(i for i, e in enumerate(events)
+                                           if e.startswith("analysed")), events
+    assert "started b" not in events
+    # b 1% above c: both compile first, as outside a crowd
+    order, _ = _run(monkeypatch, dict(a=60, b=75, c=70, d=75),
+                    rewritten=dict(a=90, b=65.6, c=65, d=66), **kw)
+    assert order == ["b+c"]
+    # c above plain: b, put after the first compiles, is compiled next
+    order, ((name, _, _), _) = _run(monkeypatch, dict(a=60, b=75, c=120, d=75),
+                                    rewritten=dict(a=90, b=71.5, c=65, d=66), **kw)
+    assert order == ["c", "plain", "b"] and name == "b"
+    # not a crowd (three near: b, d, c; CROWD 3): b compiles before the analyses, as before
+    _run(monkeypatch, dict(a=60, b=75, c=70, d=75), within=2.0,
+         rewritten=dict(a=90, b=71.5, c=65, d=66), **kw)
+    assert _run.events[0] == "started b", _run.events
+    # a small step (the plain prediction not trusted): no crowd either
+    _run(monkeypatch, dict(a=60, b=75, c=70, d=75), min_bytes=101,
+         rewritten=dict(a=90, b=71.5, c=65, d=66), **kw)
+    assert _run.events[0] == "started b", _run.events
+    assert predicted._later([[1, 2], [3]], [1]) == [[2], [1], [3]]
+    assert predicted._later([[1], [3]], [1]) == [[1], [3]]
+    assert predicted._later([[1], [3]], []) == [[1], [3]]
 
 
 def test_a_small_step_compiles_the_plain_step_beside_the_first_group(monkeypatch):

@@ -125,6 +125,11 @@ _F32_ONLY_ON_CPU = frozenset({"dot_general", "conv_general_dilated"})
 _HALF = frozenset({"bfloat16", "float16"})
 
 
+#: The primitives whose operands :func:`upcast_bytes` or :func:`padded_bytes` may copy
+#: (for every other primitive both are 0).
+COPIES_OPERANDS = _F32_ONLY_ON_CPU | {"conv_general_dilated"}
+
+
 def upcast_bytes(primitive: str, dtype: str, nbytes: int, platform: str = "cpu") -> int:
     """Bytes of the f32 copy XLA on ``platform`` makes of an operand (``dtype``, ``nbytes``)
     of ``primitive``: twice a half-precision operand of a matmul or convolution on XLA:CPU,

@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxmem import _jax
 from jaxmem.analyzing.fusion import (
+    COPIES_OPERANDS,
     expansion_bytes,
     folds_into_dot,
     fuses_into_gemm,
@@ -200,6 +201,8 @@ def _upcasts(program: Program, position: dict[int, int], delta: np.ndarray,
     span: dict[tuple[int, str], list[int]] = {}
     size: dict[tuple[int, str], int] = {}
     for n in program.nodes:
+        if n.primitive not in COPIES_OPERANDS:
+            continue
         for k, v in enumerate(dict.fromkeys(n.inputs)):
             val = program.values[v]
             extras = [("f32", upcast_bytes(n.primitive, val.dtype, val.nbytes, platform))]
