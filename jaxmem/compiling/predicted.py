@@ -130,14 +130,18 @@ TIES_BY_REWRITTEN: frozenset[str] = frozenset({"cuda", "gpu"})
 #: rewritten step is predicted more than :data:`REWRITTEN_DEFERS` above their lowest is
 #: compiled only after the first compiles, where none passed. Elsewhere the model's first
 #: group compiles while the rewritten steps are analysed (the overlap is worth more than
-#: the rare compile it wastes). See :data:`REWRITTEN_DEFERS` for the measurements.
+#: the rare compile it wastes). In a crowd the wait costs the crowd's analysis where the
+#: model's choice stays first (GPT-2 small: seven rewritten steps, about 8 s; its first
+#: call +8%, the same plans) and saves a compile where it does not (transformers' ResNet18:
+#: -26%; docs/first_call.md, "A crowd near the model's lowest"). See
+#: :data:`REWRITTEN_DEFERS` for the measurements.
 CROWD = 3
 
 #: How far above the rewritten lowest of a crowd (:data:`CROWD`) the cost model's first
 #: choice may be predicted and still compile first. Over the steps whose every candidate
 #: was compiled (``python -m benchmarks.ranking_union``'s files): 1% to 3.8% keep the
-#: first compiles within 1% of the compiled best wherever they were, with 1.21 plans a
-#: step on the H100 target instead of 1.36 (transformers' ResNet18 and Haiku's ResNet50:
+#: first compiles within 1% of the compiled best wherever they were, with 1.27 plans a
+#: step on the H100 target instead of 1.40 (15 steps; transformers' ResNet18 and Haiku's ResNet50:
 #: one compile instead of two; their model's choice compiles 8.7% and 4.7% above the best,
 #: its rewritten step predicted 4.1% and 3.9% above the crowd's lowest) and 1.69 on CPU
 #: instead of 1.77 (the zoo ResNet at bench size); at 0% the zoo GPT on CPU lands 2.9% above
