@@ -132,9 +132,9 @@ TIES_BY_REWRITTEN: frozenset[str] = frozenset({"cuda", "gpu"})
 #: group compiles while the rewritten steps are analysed (the overlap is worth more than
 #: the rare compile it wastes). In a crowd the wait costs the crowd's analysis where the
 #: model's choice stays first (GPT-2 small: seven rewritten steps, about 8 s; its first
-#: call +8%, the same plans) and saves a compile where it does not (transformers' ResNet18:
-#: -26%; docs/first_call.md, "A crowd near the model's lowest"). See
-#: :data:`REWRITTEN_DEFERS` for the measurements.
+#: call +8%, the lm1b-width decoder's +6%, the same plans) and saves a compile where it
+#: does not (transformers' ResNet18: -26%; docs/first_call.md, "A crowd near the model's
+#: lowest"). See :data:`REWRITTEN_DEFERS` for the measurements.
 CROWD = 3
 
 #: How far above the rewritten lowest of a crowd (:data:`CROWD`) the cost model's first
