@@ -15,7 +15,9 @@ and says, per step, how far above the best compiled plan the best of each first 
   rewritten step's lowest among the plans the model puts within
   :data:`~jaxmem.compiling.predicted.REWRITTEN_WITHIN` of its lowest, and that of the
   others where it is more than :data:`~jaxmem.compiling.predicted.REWRITTEN_OVERRULES`
-  below those; its column is also
+  below those; in a crowd (:data:`~jaxmem.compiling.predicted.CROWD`), less the model's
+  plans whose rewritten step is more than
+  :data:`~jaxmem.compiling.predicted.REWRITTEN_DEFERS` above that lowest; its column is also
   against every compiled candidate, the built-ins and the plain step included (``all``).
 
 Run::
