@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-from jaxmem.program import from_jaxpr
 
 import jaxmem
 from benchmarks import zoo
@@ -110,13 +109,6 @@ def _names(plans: list[Any]) -> list[str]:
     return names
 
 
-def _rewritten(cand: Any, step: Any, platform: str) -> int:
-    """The predicted peak of ``cand``'s own jaxpr (its rewrite of ``step``), state
-    donated."""
-    prog = from_jaxpr(cand.jitted.trace(*step.flat).jaxpr)
-    return from_program(prog, donated=step.donate_flat, platform=platform).peak_bytes
-
-
 def predictions(cap: dict[str, Any], target: str) -> tuple[dict[str, Any], list[dict]]:
     """The plain step's row and one row per candidate: predictions and compiled peak."""
     step = cap["step"]
@@ -130,7 +122,7 @@ def predictions(cap: dict[str, Any], target: str) -> tuple[dict[str, Any], list[
         kind = "builtin" if plan.loss_policy else "plan"
         t0 = time.perf_counter()
         try:
-            rewritten = _rewritten(c.candidate, step, t.platform)
+            rewritten = choose.rewritten_liveness(c.candidate, step, t.platform)
         except Exception as e:  # noqa: BLE001 - recorded; the others go on
             rewritten = None
             print(f"  {plan.strategy}: not analysed: {type(e).__name__}: {e}"[:200])
@@ -319,7 +311,7 @@ def repredicted(e: dict[str, Any]) -> list[dict[str, Any]]:
         r = dict(r)
         c = named.get(r["candidate"])
         if c is not None:
-            r["now"] = _rewritten(c, step, t.platform)
+            r["now"] = choose.rewritten_liveness(c, step, t.platform)
             if not c.plan.loss_policy:
                 r["model_now"] = model.evaluate(c.plan.recompute, c.plan.offload).peak
         rows.append(r)

@@ -164,14 +164,20 @@ def ranked(cands: list[Any], analysis: Analysis, plan_of: Callable[[Any], Plan] 
             [c for c, p in zip(cands, peak, strict=True) if p > cut])
 
 
-def rewritten_peak(cand: Candidate, step: Step, platform: str) -> int | None:
+def rewritten_liveness(cand: Candidate, step: Step, platform: str) -> int:
     """The peak the liveness model predicts for ``cand``'s rewritten step itself (traced
     with the step's arguments and donation, for ``platform``'s compiler): it sees the
-    regions, barriers and re-created values the plan's drop set does not; None when the
-    rewrite cannot be traced here (the compile will say why)."""
+    regions, barriers and re-created values the plan's drop set does not. Raises what the
+    trace raises (:func:`rewritten_peak` does not)."""
+    program = from_jaxpr(cand.jitted.trace(*step.flat).jaxpr)
+    return liveness(program, donated=step.donate_flat, platform=platform)[0]
+
+
+def rewritten_peak(cand: Candidate, step: Step, platform: str) -> int | None:
+    """:func:`rewritten_liveness`, or None when the rewrite cannot be traced here (the
+    compile will say why)."""
     try:
-        program = from_jaxpr(cand.jitted.trace(*step.flat).jaxpr)
-        return liveness(program, donated=step.donate_flat, platform=platform)[0]
+        return rewritten_liveness(cand, step, platform)
     except Exception:  # noqa: BLE001 - not ranked; compiled or skipped as before
         return None
 
