@@ -34,6 +34,15 @@ one side than the other (a stride-2 ``SAME`` convolution of an even-sized image)
 the input explicitly, and the forward convolution and the backward one that reads the same
 input share the padded copy (:func:`padded_bytes`).
 
+XLA:GPU splits the contraction of a matmul whose output has too few tiles to fill the
+device (``SplitkRewriter``, before its Triton GEMM fusion): it picks ``split_k`` from a
+closed-form cost of the shapes, pads both operands along the contraction to a multiple of
+``split_k`` times 16 bytes when needed (each pad a buffer of its own) and computes
+``split_k`` f32 partial products that a reduction sums (:func:`split_k_bytes`). The input
+gradient of a large-vocabulary language-model head is one: transformers' GPT-2 small on the
+H100 target pads the logits' gradient and the tied embedding from 50257 to 50272 rows, 343.66
+MiB at the peak.
+
 The rules are the compilers' own, not a fit to measured peaks.
 """
 
@@ -43,7 +52,7 @@ import math
 
 __all__ = ["PLATFORMS", "expansion_bytes", "folds_into_dot", "fuses_into_gemm", "is_expensive",
            "makes_buffer", "normalise_platform", "padded_bytes", "pooled_in_kernel",
-           "upcast_bytes"]
+           "split_k", "split_k_bytes", "upcast_bytes"]
 
 #: Floating-point primitives XLA's base fusion pass will not duplicate.
 _EXPENSIVE = frozenset({
@@ -171,3 +180,71 @@ def padded_bytes(primitive: str, params: dict, lhs_shape: tuple[int, ...], items
     for d, (lo, hi) in zip(spatial, pads, strict=False):
         dims[d] += lo + hi
     return int(math.prod(dims)) * itemsize
+
+
+# -- XLA:GPU's split-K rewrite ------------------------------------------------------------------
+# xla/backends/gpu/transforms/splitk_rewriter.cc (the XLA of jaxlib 0.10.2): GetCostWeights for
+# compute capability >= 9.0 (H100, H200: the targets jaxmem measures) and their 132 SMs.
+_SPLIT_K_WEIGHTS = (100.0, 0.194136, 193.1384, 4.36e7)  # compute, memory, reduction, launch
+_SPLIT_K_CORES = 132
+_SPLIT_K_TILE = 128
+_SPLIT_K_CANDIDATES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+def _split_k_cost(b: int, m: int, n: int, k: int, s: int, lhs_bits: int, rhs_bits: int,
+                  out_bits: int, acc_bits: int) -> float:
+    """``EstimateGemmCostAfterSplitK``: the cost XLA:GPU gives a ``[b, m, k] x [b, k, n]``
+    matmul split ``s`` ways along ``k``."""
+    cw, mw, rw, launch = _SPLIT_K_WEIGHTS
+    mt, nt = min(m, _SPLIT_K_TILE), min(n, _SPLIT_K_TILE)
+    tiles = b * s * -(-m // _SPLIT_K_TILE) * -(-n // _SPLIT_K_TILE)
+    waves = max(1.0, tiles / (_SPLIT_K_CORES * (_SPLIT_K_TILE * _SPLIT_K_TILE) / (mt * nt)))
+    compute = 2.0 * mt * nt * -(-k // s) * waves * cw
+    written = b * s * m * n * (acc_bits if s > 1 else out_bits) / 8
+    memory = (b * k * (m * lhs_bits + n * rhs_bits) / 8 + written) * mw
+    cost = max(compute, memory)
+    if s == 1:
+        return cost
+    return cost + launch + (b * s * m * n * acc_bits / 8 + b * m * n * out_bits / 8) * rw
+
+
+def split_k(b: int, m: int, n: int, k: int, lhs_bits: int, rhs_bits: int, out_bits: int,
+            platform: str = "cpu") -> int:
+    """How many ways XLA on ``platform`` splits the contraction of a ``[b, m, k] x [b, k, n]``
+    matmul (operand element widths ``lhs_bits``/``rhs_bits``, result ``out_bits``): on
+    XLA:GPU the candidate of lowest ``EstimateGemmCostAfterSplitK`` (the first among equals);
+    1 elsewhere.
+
+    >>> split_k(1, 1024, 768, 50257, 32, 32, 32, "cuda")  # GPT-2 small's lm-head dx
+    4
+    >>> split_k(1, 16384, 768, 50257, 32, 32, 32, "cuda"), split_k(1, 1024, 768, 50257, 32, 32, 32)
+    (1, 1)
+    """
+    if normalise_platform(platform) != "cuda" or min(b, m, n, k) <= 0:
+        return 1
+    acc = max(32, out_bits)
+    costs = [_split_k_cost(b, m, n, k, s, lhs_bits, rhs_bits, out_bits, acc)
+             for s in _SPLIT_K_CANDIDATES]
+    return _SPLIT_K_CANDIDATES[costs.index(min(costs))]
+
+
+def split_k_bytes(b: int, m: int, n: int, k: int, lhs_bits: int, rhs_bits: int,
+                  out_bits: int, platform: str = "cpu") -> tuple[int, int]:
+    """``(operand pads, partial products)``: the bytes XLA on ``platform`` adds around a
+    split ``[b, m, k] x [b, k, n]`` matmul (:func:`split_k`). The contraction is padded to a
+    multiple of ``split_k * 128 / min(128, lhs_bits, rhs_bits)`` elements; if that changes
+    it, both operands are copied, padded (the pads are loop fusions of their own, not fused
+    into the GEMM). The partial products are ``f32[b, split_k, m, n]`` (the accumulator's
+    width), summed by a reduction into the result. ``(0, 0)`` for a matmul not split.
+
+    >>> pads, partials = split_k_bytes(1, 1024, 768, 50257, 32, 32, 32, "cuda")
+    >>> pads / 2**20, partials / 2**20   # f32[1024, 50272] + f32[50272, 768]; f32[4, 1024, 768]
+    (343.65625, 12.0)
+    """
+    s = split_k(b, m, n, k, lhs_bits, rhs_bits, out_bits, platform)
+    if s == 1:
+        return 0, 0
+    multiple = s * 128 // min(128, lhs_bits, rhs_bits)
+    padded = -(-k // multiple) * multiple
+    pads = 0 if padded == k else b * padded * (m * lhs_bits + n * rhs_bits) // 8
+    return pads, b * s * m * n * max(32, out_bits) // 8

@@ -26,6 +26,7 @@ from jaxmem.analyzing.fusion import (
     makes_buffer,
     padded_bytes,
     pooled_in_kernel,
+    split_k_bytes,
     upcast_bytes,
 )
 from jaxmem.analyzing.schedule import schedule
@@ -71,6 +72,9 @@ def buffers(program: Program, platform: str = "cpu", *, fold_dots: bool = True
     XLA:GPU stores). If a reader sits in another phase (a residual), XLA duplicates the
     producer there when that needs no extra buffer (every operand is stored, or is itself
     duplicable) and it is not expensive (a transcendental); otherwise the value is stored.
+    A matmul whose operands XLA:GPU pads to split its contraction
+    (:func:`~jaxmem.analyzing.fusion.split_k_bytes`) reads such a value through the pad,
+    which computes it (a ``tanh`` of a matmul's operand is never stored there).
 
     ``optimization_barrier`` (the rewrite's and ``jax.checkpoint``'s) passes its operands'
     buffers on, and XLA keeps it through fusion (XLA:GPU until after scheduling, XLA:CPU
@@ -83,6 +87,7 @@ def buffers(program: Program, platform: str = "cpu", *, fold_dots: bool = True
     out_set = set(program.outputs)
     users = program.users
     values = program.values
+    padded: dict[int, bool] = {}  # dot node -> whether XLA:GPU pads its operands (split-K)
     mat = [False] * len(values)
     dup = [False] * len(values)  # fused, and re-creatable from stored values alone
     late: set[int] = set()
@@ -122,6 +127,11 @@ def buffers(program: Program, platform: str = "cpu", *, fold_dots: bool = True
             u = program.nodes[i]
             if gemm and u.primitive == "dot_general":
                 continue
+            if u.primitive == "dot_general" and avail:
+                if i not in padded:
+                    padded[i] = _split_k(program, u, platform)[0] > 0
+                if padded[i]:  # computed in the fusion that pads it (split_k_bytes)
+                    continue
             if u.primitive == "optimization_barrier":
                 held = held or _held(program, v.id, u)
                 continue
@@ -224,6 +234,61 @@ def _upcasts(program: Program, position: dict[int, int], delta: np.ndarray,
 
 _LAYOUT = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim"})
 
+#: One-operand elementwise primitives (one-operand elementwise HLO ops too): XLA:GPU's
+#: split-K rewrite reads an operand's width from the start of such a chain.
+_UNARY = frozenset({
+    "convert_element_type", "neg", "exp", "exp2", "expm1", "log", "log1p", "tanh", "logistic",
+    "abs", "sqrt", "rsqrt", "cbrt", "sin", "cos", "tan", "sign", "floor", "ceil", "round",
+    "erf", "erfc", "erf_inv", "not", "reduce_precision", "copy", "copy_p", "real", "imag",
+})
+
+
+def _width(program: Program, v: int) -> int:
+    """Bits of ``v``'s elements at the start of its chain of one-operand elementwise
+    producers (``GetDotDimensions``' ``get_side_size``: a bf16 operand converted from f32
+    counts 32 bits)."""
+    while True:
+        val = program.values[v]
+        node = program.nodes[val.producer] if val.producer is not None else None
+        if node is None or node.primitive not in _UNARY or len(node.inputs) != 1:
+            return 8 * np.dtype(val.dtype).itemsize
+        v = node.inputs[0]
+
+
+def _split_k_transient(program: Program, node: Node, platform: str) -> int:
+    """Bytes XLA:GPU holds at a matmul beyond its operands and result when it splits the
+    contraction (:func:`jaxmem.analyzing.fusion.split_k_bytes`): the f32 partial products,
+    and the padded operand copies where they outlast the result's buffer (the pads are read
+    by the GEMM, its partials by the reduction that writes the result)."""
+    pads, partials = _split_k(program, node, platform)
+    out = program.values[node.outputs[0]].nbytes
+    return partials + max(0, pads - out) if partials else 0
+
+
+def _split_k(program: Program, node: Node, platform: str) -> tuple[int, int]:
+    """:func:`jaxmem.analyzing.fusion.split_k_bytes` of matmul ``node``: ``(operand pads,
+    partial products)``; ``(0, 0)`` for any other node."""
+    if node.primitive != "dot_general" or node.eqn is None or len(node.inputs) != 2:
+        return 0, 0
+    (lc, rc), (lb, rb) = node.eqn.params["dimension_numbers"]
+    if not lc:
+        return 0, 0
+    lhs, rhs = (program.values[v] for v in node.inputs)
+    if "int32" in (str(lhs.dtype), str(rhs.dtype)):  # neither cuBLAS nor Triton: not split
+        return 0, 0
+    lfree = [d for d in range(len(lhs.shape)) if d not in lc and d not in lb]
+    rfree = [d for d in range(len(rhs.shape)) if d not in rc and d not in rb]
+    b = int(np.prod([lhs.shape[d] for d in lb], dtype=np.int64))
+    m = int(np.prod([lhs.shape[d] for d in lfree], dtype=np.int64))
+    n = int(np.prod([rhs.shape[d] for d in rfree], dtype=np.int64))
+    out = program.values[node.outputs[0]]
+    # XLA merges several contracting dimensions into one before it splits (the weight
+    # gradient of a dense layer over [batch, tokens, features] contracts batch and tokens)
+    k = int(np.prod([lhs.shape[d] for d in lc], dtype=np.int64))
+    return split_k_bytes(b, m, n, k, _width(program, node.inputs[0]),
+                         _width(program, node.inputs[1]), 8 * np.dtype(out.dtype).itemsize,
+                         platform)
+
 
 def _scan_upcasts(node: Node, platform: str) -> int:
     """f32 copies XLA makes of a scan's half-precision operands that feed matmuls inside
@@ -305,6 +370,8 @@ def liveness(program: Program, *, count_inputs: bool = True,
         at = min(order.position[n.index], len(live) - 1)
         if n.kind in (Kind.CONTROL, Kind.HEAVY) and _jax.sub_jaxprs(n.eqn):
             live[at] += _unit_transient(n, platform) + _scan_upcasts(n, platform)
+        elif n.primitive == "dot_general":
+            live[at] += _split_k_transient(program, n, platform)
         elif n.primitive == "select_and_scatter_add" and len(n.inputs) >= 2:
             src, operand = (values[v].shape for v in n.inputs[:2])
             live[at] += expansion_bytes(n.primitive, operand, src, platform)
