@@ -57,6 +57,11 @@ against its stored compiled peak (the zoo's three bench steps in under a minute)
     python -m benchmarks.prediction --repredict --plans --files \
         benchmarks/results/prediction/plans-h100.json
 
+``--write`` stores the new predictions in the files read (each stored compiled peak kept,
+the rows' errors and, for plans, the rankings recomputed; ``repredicted`` names the commit
+and command), so that :mod:`benchmarks.ranking_disagreements` and :mod:`benchmarks.ranking_union`
+read the model as it is now without compiling the candidates again.
+
 ``--docs`` compiles nothing: it rewrites the table between ``<!-- prediction-table -->``
 markers in the given file from ``prediction.json`` (plain steps), ``before.json`` (the model
 before the per-target rules, same compiled peaks) and ``plans_test/prediction.json`` (the
@@ -219,12 +224,20 @@ def render_docs(path: Path, out: Path) -> None:
     path.write_text(f"{head}{_MARK}\n{table_md}\n{_END}{tail}")
 
 
-def repredict(rows: list[dict[str, Any]], keep: dict[str, set[str]]) -> int:
+def _meta_repredict(argv: list[str] | None) -> dict[str, Any]:
+    from benchmarks import prediction_plans
+    return prediction_plans._meta(argv)
+
+
+def repredict(rows: list[dict[str, Any]], keep: dict[str, set[str]],
+              write: dict[str, Any] | None = None) -> int:
     """Predict each plain row of ``rows`` (``keep``: ``{"models"|"sizes"|"targets": names}``)
     again with the model as it is now, and print it beside its stored prediction and
     compiled peak, then how many are within 5% and 10% and the largest errors either way:
     a change to the liveness model measured on every stored step in minutes, with no
-    compile (the compiled peaks do not depend on the model)."""
+    compile (the compiled peaks do not depend on the model). ``write``: this run's meta;
+    each row predicted is updated in place (``predicted``, ``error_pct``, ``repredicted``)
+    for the caller to store."""
     field = {"models": "model", "sizes": "size", "targets": "target"}
     errors = []
     for r in rows:
@@ -238,6 +251,8 @@ def repredict(rows: list[dict[str, Any]], keep: dict[str, set[str]]) -> int:
         print(f"{r['model']:30s} {r['size']:5s} {r['target']:5s} compiled "
               f"{r['compiled'] / 2**20:9.2f} MiB  stored {r['error_pct']:+6.1f}%  now "
               f"{err:+6.1f}%", flush=True)
+        if write is not None:
+            r.update(predicted=int(now), error_pct=err, repredicted=write)
     if not errors:
         raise SystemExit("no stored plain row matches")
     print(f"\n{len(errors)} rows: {sum(abs(e) <= 5 for e in errors)} within 5%, "
@@ -269,6 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--files", type=Path, nargs="+",
                    help="with --repredict --plans: these plans files (default: --out's "
                         "plans-*.json)")
+    p.add_argument("--write", action="store_true",
+                   help="with --repredict: store the new predictions and their errors in "
+                        "the files read (and, with --plans, the rankings); compiled peaks "
+                        "kept, each row or entry notes the commit that predicted it")
     a = p.parse_args(argv)
     if a.docs:
         render_docs(a.docs, a.out)
@@ -280,8 +299,15 @@ def main(argv: list[str] | None = None) -> int:
         if a.plans:
             from benchmarks import prediction_plans
             return prediction_plans.repredict(
-                sorted(a.out.glob("plans-*.json")) if a.files is None else a.files, keep)
-        return repredict(_load(a.out / "prediction.json"), keep)
+                sorted(a.out.glob("plans-*.json")) if a.files is None else a.files, keep,
+                write=_meta_repredict(argv) if a.write else None)
+        path = a.out / "prediction.json"
+        doc = json.loads(path.read_text()) if path.exists() else {"rows": []}
+        meta = _meta_repredict(argv) if a.write else None
+        rc = repredict(doc["rows"], keep, meta)
+        if meta is not None:
+            path.write_text(json.dumps(doc, indent=1))
+        return rc
     a.out.mkdir(parents=True, exist_ok=True)
     if a.plans:
         from benchmarks import prediction_plans

@@ -248,9 +248,13 @@ def _pct(x: float | None) -> str:
 
 def markdown(meta: dict[str, Any], models: list[dict[str, Any]]) -> str:
     """The candidates' table and the ranking summaries of ``models``."""
-    out = [f"`{meta['command']}` ({meta['date']}, commit {str(meta['git_commit'])[:10]}, "
-           f"jax {meta['jax']})", "",
-           "| model | target | candidate | kind | compiled MiB | rewritten MiB | error | "
+    out = [f"`{meta.get('command')}` ({meta.get('date')}, commit "
+           f"{str(meta.get('git_commit'))[:10]}, jax {meta.get('jax')})", ""]
+    again = {(m["command"], str(m["git_commit"])[:10]) for e in models
+             if (m := e.get("repredicted"))}
+    out += [f"Predictions made again, compiled peaks kept: `{c}` (commit {g})" for c, g in
+            sorted(again)] + ([""] if again else [])
+    out += ["| model | target | candidate | kind | compiled MiB | rewritten MiB | error | "
            "model MiB | error |", "|---|---|---|---|---:|---:|---:|---:|---:|"]
     for e in models:
         if e.get("error"):
@@ -260,9 +264,9 @@ def markdown(meta: dict[str, Any], models: list[dict[str, Any]]) -> str:
         for r in [e["plain"]] + e["candidates"]:
             name = r["candidate"] + (" (chosen)" if r.get("chosen") else "")
             out.append(f"| {e['model']} | {e['target']} | {name} | {r['kind']} | "
-                       f"{_mib(r['compiled'])} | {_mib(r['rewritten'])} | "
-                       f"{_pct(r['rewritten_error_pct'])} | {_mib(r['model'])} | "
-                       f"{_pct(r['model_error_pct'])} |")
+                       f"{_mib(r['compiled'])} | {_mib(r.get('rewritten'))} | "
+                       f"{_pct(r.get('rewritten_error_pct'))} | {_mib(r.get('model'))} | "
+                       f"{_pct(r.get('model_error_pct'))} |")
     out += ["", "| model | target | prediction | n | pairs | pairwise agreement | "
             "predicted best | its compiled over the set's best | over every candidate's "
             "best |", "|---|---|---|---:|---:|---:|---|---:|---:|"]
@@ -319,21 +323,61 @@ def repredicted(e: dict[str, Any]) -> list[dict[str, Any]]:
     return [plain] + rows
 
 
-def repredict(paths: list[Path], keep: dict[str, set[str]]) -> int:
+def rewrite_entry(e: dict[str, Any], rows: list[dict[str, Any]], meta: dict[str, Any]
+                  ) -> None:
+    """Store :func:`repredicted`'s ``rows`` in the ``--plans`` entry ``e``: each row's
+    ``rewritten`` (and a plan's ``model``) becomes its new prediction, errors and the
+    ranking summaries are recomputed as :func:`entry` makes them; compiled peaks are kept.
+    A row no candidate matched keeps its stored figures."""
+    def new(r: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in r.items() if k not in ("now", "model_now")}
+    plain, *cands = rows
+    e["plain"] = _updated(new(plain), plain.get("now"), None)
+    e["candidates"] = [_updated(new(r), r.get("now"), r.get("model_now")) for r in cands]
+    plans = [r for r in e["candidates"] if r["kind"] == "plan"]
+    overall = min(r["compiled"] for r in e["candidates"])
+    rank = {"plans_rewritten": ranking(plans, "rewritten"),
+            "plans_model": ranking(plans, "model"),
+            "all_rewritten": ranking(e["candidates"], "rewritten")}
+    for r in rank.values():
+        if r:
+            r["predicted_best_over_all_pct"] = round(
+                100.0 * (r["predicted_best_compiled"] / overall - 1), 2)
+    e["ranking"] = rank
+    e["repredicted"] = meta
+
+
+def _updated(r: dict[str, Any], rewritten: int | None, model: int | None) -> dict[str, Any]:
+    def err(p: int | None) -> float | None:
+        return None if p is None or not r["compiled"] else round(
+            100.0 * (p / r["compiled"] - 1.0), 2)
+    if rewritten is not None:
+        r["rewritten"], r["rewritten_error_pct"] = int(rewritten), err(rewritten)
+    if model is not None:
+        r["model"], r["model_error_pct"] = int(model), err(model)
+    return r
+
+
+def repredict(paths: list[Path], keep: dict[str, set[str]],
+              write: dict[str, Any] | None = None) -> int:
     """Every candidate of the ``--plans`` files ``paths`` (``keep``: ``{"models"|"sizes"|
     "targets": names}``) predicted again with the model as it is now (rewritten step's
     liveness, and the cost model's for plans) against its stored compiled peak, nothing
     compiled: per row the stored and the new error, then the counts within 5% and 10%, the
     largest errors, and per step whether the lowest new prediction of the plans compiles
-    within 1% of their best and their pairwise agreement (:func:`ranking`)."""
+    within 1% of their best and their pairwise agreement (:func:`ranking`). ``write``: the
+    meta of this run, to store the new figures in the files (:func:`rewrite_entry`)."""
     errors: dict[str, list[float]] = {"rewritten": [], "model": []}
     steps = held = 0
     for path in paths:
-        for e in json.loads(Path(path).read_text())["models"]:
+        doc = json.loads(Path(path).read_text())
+        for e in doc["models"]:
             if e.get("error") or any(e[k[:-1]] not in v for k, v in keep.items()):
                 continue
             rows = repredicted(e)
             print(f"{e['model']} {e['size']} {e['target']} ({path})", flush=True)
+            if write is not None:
+                rewrite_entry(e, rows, write)
             for r in rows:
                 if "now" not in r:
                     print(f"  {r['candidate'][:48]:48s} not among today's candidates")
@@ -356,6 +400,9 @@ def repredict(paths: list[Path], keep: dict[str, set[str]]) -> int:
                 held += rank["predicted_best_within_1pct"]
                 print(f"  plans by rewritten now: agree {rank['pairwise_agreement']}, "
                       f"best +{rank['predicted_best_over_best_pct']}%", flush=True)
+        if write is not None:
+            Path(path).write_text(json.dumps(doc, indent=1))
+            Path(path).with_suffix(".md").write_text(markdown(doc["meta"], doc["models"]))
     if not errors["rewritten"]:
         raise SystemExit("no stored --plans entry matches")
     for k, errs in errors.items():

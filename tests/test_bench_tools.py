@@ -185,6 +185,11 @@ def test_repredict_prints_each_stored_plain_row_against_its_compiled_peak(capsys
     out = capsys.readouterr().out
     assert "stored   +1.0%  now   +0.0%" in out and "bench" not in out
     assert "1 rows: 1 within 5%, 1 within 10%" in out
+    # --write: the predicted row is updated in place, compiled peak kept; the other is not
+    assert prediction.repredict(rows, {"sizes": {"test"}}, {"git_commit": "abc"}) == 0
+    assert rows[0]["predicted"] == peak == rows[0]["compiled"]
+    assert rows[0]["error_pct"] == 0.0 and rows[0]["repredicted"] == {"git_commit": "abc"}
+    assert "predicted" not in rows[1] and rows[1]["error_pct"] == 1.0
 
 
 def test_repredict_plans_predicts_every_stored_candidate_without_compiling(tmp_path, capsys,
@@ -230,6 +235,15 @@ def test_repredict_plans_predicts_every_stored_candidate_without_compiling(tmp_p
     assert f"{first:48s} compiled" in out and "stored   +3.0% now   +0.0%" in out
     assert "gone" in out and "not among today's candidates" in out
     assert "rewritten: 3 rows, 3 within 5%" in out
+    # --write stores the new predictions, errors and ranking; the unmatched row is kept
+    assert prediction.main(["--repredict", "--plans", "--write", "--files", str(path)]) == 0
+    (got,) = json.loads(path.read_text())["models"]
+    assert [r["rewritten"] for r in got["candidates"][:2]] == [r["compiled"] for r in rows[:2]]
+    assert [r["rewritten_error_pct"] for r in got["candidates"]] == [0.0, 0.0, 0.0]
+    assert "rewritten" not in got["candidates"][2]
+    assert got["repredicted"]["command"].startswith("python -m benchmarks.prediction")
+    assert got["ranking"]["plans_rewritten"]["n"] == 2
+    assert "Predictions made again" in path.with_suffix(".md").read_text()
 
 
 def test_rewritten_disagreements_are_listed_from_the_files_without_tracing():
@@ -252,3 +266,15 @@ def test_rewritten_disagreements_are_listed_from_the_files_without_tracing():
                      [s])
     assert "3 of 3 pairs ordered unlike the compiler (0.0% agree)" in md
     assert "tied 0, model 1, compiler 2" in md
+
+
+def test_split_k_sets_the_compiled_split_and_peak_beside_the_models():
+    """``benchmarks.split_k``: one matmul of a language-model head compiled for the H100
+    target beside the liveness model (GPT-2 small's input gradient at 256 tokens: split 16
+    ways on both sides; its result is the program's output, so the model is low by it)."""
+    from benchmarks import split_k
+    from jaxmem import targets
+
+    r = split_k.row(targets.require("h100"), "dx", 256, 768, 50257, "float32")
+    assert r["split_compiled"] == r["split_model"] == 16
+    assert r["compiled"] - r["predicted"] == 256 * 768 * 4
