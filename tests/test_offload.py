@@ -186,7 +186,9 @@ def test_offload_fits_below_what_recompute_reaches():
     from benchmarks import zoo
     from jaxmem.planning.budget import Budget, BudgetError
 
-    w = zoo.make("mlp", size="test", abstract=True, depth=8, batch=1024)
+    # Four layers: the budget search's four compiles and the offload search's four hold
+    # the same relation as at eight (offload fits at 90% of the floor), in half the time.
+    w = zoo.make("mlp", size="test", abstract=True, depth=4, batch=1024)
     a = jaxmem.optimize(w.step, donate_argnums=(0,), verify=False).analysis(*w.args)
     with pytest.raises(BudgetError) as err:
         jaxmem.optimize(w.step, budget=a.argument_bytes + 1, donate_argnums=(0,)).plan(*w.args)
