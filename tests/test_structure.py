@@ -9,6 +9,7 @@ candidate). Small shapes; relations between XLA's figures only.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -56,7 +57,7 @@ def _hk_decoder():
     net = hk.transform(lambda ids: hk_decoder_forward(ids, layers=layers, heads=4, width=64,
                                                       vocab=vocab))
     ids = jax.random.randint(jax.random.PRNGKey(1), (2, seq), 0, vocab)
-    params = net.init(jax.random.PRNGKey(2), ids)
+    params = jax.jit(net.init)(jax.random.PRNGKey(2), ids)  # one compile, not ~70 eager ops
 
     def loss(params, ids):
         logits = net.apply(params, None, ids)
@@ -76,7 +77,7 @@ def _hk_resnet():
 
     net = hk.transform_with_state(forward)
     x = jax.random.normal(jax.random.PRNGKey(1), (4, 16, 16, 3))
-    params, state = net.init(jax.random.PRNGKey(2), x)
+    params, state = jax.jit(net.init)(jax.random.PRNGKey(2), x)  # one compile, not ~100
 
     def loss(params, batch):
         state, x = batch
@@ -86,7 +87,9 @@ def _hk_resnet():
     return _grad_step(loss), (params, (state, x)), 4
 
 
-MODELS = {"residual_mlp": _residual_mlp, "hk_decoder": _hk_decoder, "hk_resnet": _hk_resnet}
+#: Each model built once (both tests of a model use it; nothing donates its arguments).
+MODELS = {"residual_mlp": functools.cache(_residual_mlp),
+          "hk_decoder": functools.cache(_hk_decoder), "hk_resnet": functools.cache(_hk_resnet)}
 #: haiku's ResNet carries module paths (res_net/block_group_0/block_0/conv_0) in its name
 #: stacks: structure leaves them alone, and at this size no plan beats the names' plan.
 NAMED = {"hk_resnet"}
