@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from benchmarks import zoo
-from jaxmem import measure
+from tests._fast_compile import fast_compile
 
 ROOT = Path(__file__).resolve().parents[1]
 # The Llama variants have their own file (tests/test_llama.py: steps, remat, presets, sizes).
@@ -36,11 +36,13 @@ def _plain_compiled(name: str):
     """``(state, batch) -> ((new_state, metrics), (loss, grads))``, compiled once.
 
     XLA merges the step and its loss_and_grads (the same computation), so the grads that the
-    remat tests compare against cost no second compile.
+    remat tests compare against cost no second compile. These tests check values, not
+    memory: compiled the fast way (tests/_fast_compile.py), as the remat programs they are
+    compared with are.
     """
     w = _workload(name)
     both = lambda state, batch: (w.step(state, batch), w.loss_and_grads(state, batch))
-    return measure.compile(jax.jit(both).lower(*w.args))
+    return fast_compile(jax.jit(both).lower(*w.args))
 
 
 @functools.cache
@@ -198,7 +200,7 @@ def test_per_block_remat_gives_the_same_loss_and_grads(name, policy):
     assert r.state is w.state and r.batch is w.batch and r.remat_policy is POLICIES[policy]
     jaxpr = str(jax.make_jaxpr(r.loss_and_grads)(*r.args))
     assert "checkpoint" in jaxpr or "remat" in jaxpr, "no remat in the program"
-    loss, grads = measure.compile(jax.jit(r.loss_and_grads).lower(*r.args))(*r.args)
+    loss, grads = fast_compile(jax.jit(r.loss_and_grads).lower(*r.args))(*r.args)
     _, (plain_loss, plain_grads) = _plain(name)
     _assert_close(loss, plain_loss, 1e-6, f"{name}/{policy} loss")
     _assert_close(grads, plain_grads, 1e-6, f"{name}/{policy} grads")
