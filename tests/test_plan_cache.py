@@ -40,6 +40,16 @@ def compiles(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def compiled_once():
+    """Each distinct program compiled once in the test (tests/_compiles.py): for a test
+    that counts traces, not compiles."""
+    from tests._compiles import compile_once
+
+    with compile_once():
+        yield
+
+
 @pytest.mark.parametrize("budget", [None, 0.9])
 def test_disk_cache_hit_skips_planning_compiles(tmp_path, compiles, budget):
     plan_cache.set_dir(tmp_path)
@@ -107,13 +117,20 @@ def test_progress_is_logged(caplog):
     assert "budget search: compile 1" in caplog.text
 
 
-def test_a_step_without_scans_is_traced_once_per_plan(tmp_path):
+def test_a_step_without_scans_is_traced_once_per_plan(tmp_path, monkeypatch, compiled_once):
     """The step's Python runs once to trace its program (and once more for each of the plain
     step the plan is verified against and, with ``verify="builtins"``, the two built-in
     candidates); a cache hit traces it once. A scan-body choice, which traces the step under
     each body policy, is skipped when the step has no scan."""
     from benchmarks import zoo
+    from jaxmem.planning import strategies
 
+    # The rewrite's candidates never run the step's Python (they rewrite its traced
+    # program): one of them is enough here; the plain step and that candidate, compiled by
+    # the first two optimizes alike, are compiled once (the compiled_once fixture).
+    candidates = strategies.auto_candidates
+    monkeypatch.setattr(strategies, "auto_candidates",
+                        lambda a, **kw: candidates(a, **kw)[:1])
     w = zoo.make("mlp", size="test")
     traces = []
 
@@ -174,14 +191,22 @@ def _hk_resnet_step():
 
 def test_the_builtin_policy_candidate_runs_and_is_cached(tmp_path, compiles, monkeypatch):
     """When the step with its loss under jax.checkpoint(policy=dots_saveable) compiles
-    lowest (here the rewrite's candidates are replaced by a plan that drops nothing), that
-    step runs, with jax.jit's results, and a plan cache hit runs it again without a
-    planning compile."""
+    lowest (here the rewrite's candidates are replaced by a plan that drops nothing, and the
+    built-ins are the one that wins, the policy around each block), that step runs, with
+    jax.jit's results, and a plan cache hit runs it again without a planning compile."""
+    from jaxmem.compiling import choose
     from jaxmem.planning import strategies
 
     step, state0, batch = _hk_resnet_step()
     monkeypatch.setattr(strategies, "auto_candidates",
                         lambda a, **kw: [strategies.plan_none(a)])
+    builtins = choose.builtin_candidates
+
+    def per_block_only(*a, **kw):  # the whole-loss built-in compiled above it here
+        found, skipped = builtins(*a, **kw)
+        return [c for c in found if c.plan.loss_blocks], skipped
+
+    monkeypatch.setattr(choose, "builtin_candidates", per_block_only)
 
     def state():  # the step donates its state
         return jax.tree.map(jnp.copy, state0)
@@ -191,7 +216,7 @@ def test_the_builtin_policy_candidate_runs_and_is_cached(tmp_path, compiles, mon
     first = jaxmem.optimize(step, verify="builtins")
     got = first(state(), *batch)
     plan = first.plan(state(), *batch)
-    assert plan.loss_policy == "dots_saveable"
+    assert plan.loss_policy == "dots_saveable" and plan.loss_blocks
     assert plan.compiled.peak < plan.baseline.peak
     plan_cache.clear_memory()
     compiles.clear()
