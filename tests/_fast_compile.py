@@ -26,3 +26,12 @@ def fast_compile(lowered: Any) -> Any:
 def xla_flags(*extra: str) -> str:
     """``XLA_FLAGS`` for a subprocess: this process's (conftest.py's -O0) and ``extra``."""
     return " ".join([os.environ.get("XLA_FLAGS", ""), *extra]).strip()
+
+
+def fast_run(fn: Any, *args: Any, **jit_kwargs: Any) -> Any:
+    """``jax.jit(fn, **jit_kwargs)(*args)``, compiled with :data:`FAST_COMPILE`: for values
+    compared with another program the test compiles the same way (both sides of a
+    comparison, never one side against a step ``jaxmem.optimize`` compiled)."""
+    import jax
+
+    return fast_compile(jax.jit(fn, **jit_kwargs).lower(*args))(*args)

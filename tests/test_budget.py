@@ -23,6 +23,7 @@ from jaxmem.planning.budget import (
     plan_with_budget,
     resolve_budget,
 )
+from tests._fast_compile import fast_run
 
 
 def _mlp(depth: int = 5, batch: int = 256, width: int = 32, scoped: bool = True):
@@ -322,7 +323,8 @@ def zoo_blocks():
         figs = {k: measure.figures(measure.compile(
             jax.jit(f, donate_argnums=donate).lower(*flat))) for k, f in fns.items()}
         out[name] = dict(w=w, ref_fn=fn, prog=prog, blk=blk, fn=fns["blocks"], figs=figs, flat=flat,
-                         depths=depths, analysis=a, res=res, donate=donate)
+                         depths=depths, analysis=a, res=res, donate=donate,
+                         ref=fast_run(fn, *w.args))  # plain jit's values (fast_run)
     return out
 
 
@@ -360,7 +362,7 @@ def test_resave_spends_headroom_on_the_cheapest_recompute(zoo_blocks):
     fig = measure.figures(measure.compile(jax.jit(fn, donate_argnums=z["donate"]).lower(
         *z["flat"])))
     assert fig.flops < z["figs"]["blocks"].flops
-    _same(jax.jit(z["ref_fn"])(*z["w"].args), jax.jit(fn)(*z["flat"]))
+    _same(z["ref"], fast_run(fn, *z["flat"]))
 
 
 def test_block_regions_read_kept_values_through_their_barrier():
@@ -384,8 +386,8 @@ def test_block_regions_read_kept_values_through_their_barrier():
     temp = {route: measure.figures(measure.compile(
         jax.jit(f, donate_argnums=donate).lower(*flat))).temp for route, f in fns.items()}
     assert temp[True] < temp[False], temp
-    ref = jax.jit(w.step)(*w.args)
-    _same(ref, jax.jit(fns[True])(*flat))
+    ref = fast_run(w.step, *w.args)
+    _same(ref, fast_run(fns[True], *flat))
 
 
 def test_light_layers_join_the_next_block():
@@ -414,7 +416,7 @@ def test_light_layers_join_the_next_block():
     assert nbytes(blk.keep) < nbytes(by_path - set(prog.inputs))
     res = frozenset(r.value for r in a.residuals)
     fn = rewrite(prog, blk.recompute, residuals=res | blk.keep, region_depth=2)
-    _same(jax.jit(w.step)(*w.args), jax.jit(fn)(*jax.tree.leaves(w.args)))
+    _same(fast_run(w.step, *w.args), fast_run(fn, *jax.tree.leaves(w.args)))
 
 
 def test_auto_candidates_cut_blocks_both_ways():
@@ -440,7 +442,7 @@ def test_auto_candidates_cut_blocks_both_ways():
     assert blk.keep != plan_blocks(a, 2, keep_heavy=True).keep
     res = frozenset(r.value for r in a.residuals)
     fn = rewrite(prog, blk.recompute, residuals=res | blk.keep, region_depth=2)
-    _same(jax.jit(w.step)(*w.args), jax.jit(fn)(*jax.tree.leaves(w.args)))
+    _same(fast_run(w.step, *w.args), fast_run(fn, *jax.tree.leaves(w.args)))
     with pytest.raises(ValueError, match="join_light"):
         plan_blocks(a, 2, offload=list(blk.keep)[:1], join_light=False)
 
@@ -455,8 +457,8 @@ def test_block_plan_is_exact_and_below_the_auto_plan(zoo_blocks, name):
     assert any(c.residual.kind == "heavy" and not c.residual.readers
                for c in z["blk"].of(jaxmem.Decision.RECOMPUTE)), \
         "matmul outputs inside blocks are re-created too"
-    ref = jax.tree.leaves(jax.jit(z["ref_fn"])(*z["w"].args))
-    for x, y in zip(ref, jax.jit(z["fn"])(*z["flat"]), strict=True):
+    ref = jax.tree.leaves(z["ref"])
+    for x, y in zip(ref, fast_run(z["fn"], *z["flat"]), strict=True):
         if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
             x, y = jax.random.key_data(x), jax.random.key_data(y)
         x, y = np.asarray(x), np.asarray(y)
