@@ -35,3 +35,22 @@ def fast_run(fn: Any, *args: Any, **jit_kwargs: Any) -> Any:
     import jax
 
     return fast_compile(jax.jit(fn, **jit_kwargs).lower(*args))(*args)
+
+
+def fast_jaxmem_compiles(monkeypatch: Any) -> None:
+    """jaxmem's own compiles (``jaxmem.measure.compile``) with :data:`FAST_COMPILE` too, for
+    the rest of a test: for one that reads only the values of what ``jaxmem.optimize(...,
+    verify=False)`` runs (no figures) and compares them with programs it compiles with
+    :func:`fast_compile` or :func:`fast_run`, so that both sides are compiled the same way.
+    jaxmem plans and rewrites as ever; only XLA:CPU's machine code is made faster."""
+    real = measure.compile
+
+    def fast(lowered: Any, options: dict[str, Any] | None = None) -> Any:
+        try:
+            return real(lowered, {**FAST_COMPILE, **(options or {})})
+        except Exception as e:
+            if "xla_cpu_use_fusion_emitters" not in str(e):
+                raise
+            return real(lowered, {"xla_backend_optimization_level": 0, **(options or {})})
+
+    monkeypatch.setattr(measure, "compile", fast)
