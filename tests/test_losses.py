@@ -8,8 +8,8 @@ import pytest
 
 import jaxmem
 from benchmarks.zoo import llama
-from jaxmem import measure
 from jaxmem.analyzing.losses import logits_notes
+from tests._fast_compile import fast_compile
 
 
 def _notes(vocab):
@@ -33,11 +33,9 @@ def test_the_plan_carries_the_note():
 def test_chunked_loss_gives_the_same_loss_and_grads(name):
     plain = llama.make(name, size="test", vocab=512)
     chunked = llama.make(name, size="test", vocab=512, chunk_loss=4)
-    fast = {"xla_backend_optimization_level": 0}
-    loss, grads = measure.compile(jax.jit(plain.loss_and_grads).lower(*plain.args),
-                                  fast)(*plain.args)
-    loss_c, grads_c = measure.compile(jax.jit(chunked.loss_and_grads).lower(*plain.args),
-                                      fast)(*plain.args)
+    loss, grads = fast_compile(jax.jit(plain.loss_and_grads).lower(*plain.args))(*plain.args)
+    loss_c, grads_c = fast_compile(jax.jit(chunked.loss_and_grads).lower(*plain.args))(
+        *plain.args)
     np.testing.assert_allclose(loss_c, loss, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(grads_c), jax.tree.leaves(grads), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)
