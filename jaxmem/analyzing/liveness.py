@@ -127,11 +127,8 @@ def buffers(program: Program, platform: str = "cpu", *, fold_dots: bool = True
             u = program.nodes[i]
             if gemm and u.primitive == "dot_general":
                 continue
-            if u.primitive == "dot_general" and avail:
-                if i not in padded:
-                    padded[i] = _split_k(program, u, platform)[0] > 0
-                if padded[i]:  # computed in the fusion that pads it (split_k_bytes)
-                    continue
+            if avail and u.primitive == "dot_general" and _pads(program, u, platform, padded):
+                continue  # computed in the fusion that pads it (split_k_bytes)
             if u.primitive == "optimization_barrier":
                 held = held or _held(program, v.id, u)
                 continue
@@ -253,6 +250,14 @@ def _width(program: Program, v: int) -> int:
         if node is None or node.primitive not in _UNARY or len(node.inputs) != 1:
             return 8 * np.dtype(val.dtype).itemsize
         v = node.inputs[0]
+
+
+def _pads(program: Program, node: Node, platform: str, memo: dict[int, bool]) -> bool:
+    """Whether XLA:GPU pads matmul ``node``'s operands to split its contraction (memoised
+    per node in ``memo``)."""
+    if node.index not in memo:
+        memo[node.index] = _split_k(program, node, platform)[0] > 0
+    return memo[node.index]
 
 
 def _split_k_transient(program: Program, node: Node, platform: str) -> int:
