@@ -11,6 +11,7 @@ from flax import nnx
 import jaxmem.flax
 from benchmarks import policies as bench
 from jaxmem import measure
+from tests._fast_compile import fast_run
 
 
 def _rel(a, b):
@@ -55,19 +56,20 @@ def _linen_loss(model):
         y, upd = model.apply({"params": params, "batch_stats": stats}, X, train=True,
                              rngs={"dropout": key}, mutable=["batch_stats"])
         return jnp.mean(y**2), upd["batch_stats"]
-    return jax.jit(jax.value_and_grad(loss, has_aux=True))
+    return jax.value_and_grad(loss, has_aux=True)
 
 
 @pytest.fixture(scope="module")
 def linen_ref():
     v = LNet().init({"params": jax.random.key(1), "dropout": jax.random.key(2)}, X)
     args = (v["params"], v["batch_stats"], jax.random.key(3))
-    return args, _linen_loss(LNet())(*args)
+    return args, fast_run(_linen_loss(LNet()), *args)
 
 
+# The value tests compile both sides the fast way (tests/_fast_compile.py): values only.
 def test_linen_remat_bn_dropout(linen_ref):
     args, ((l0, s0), g0) = linen_ref
-    (l1, s1), g1 = _linen_loss(LNet(block=jaxmem.flax.linen.remat(LBlock)))(*args)
+    (l1, s1), g1 = fast_run(_linen_loss(LNet(block=jaxmem.flax.linen.remat(LBlock))), *args)
     assert abs(float(l1 - l0)) <= 1e-6 * abs(float(l0))
     assert _rel(g1, g0) < 1e-6 and _rel(s1, s0) < 1e-6
 
@@ -76,8 +78,8 @@ def test_linen_intercept_bn_dropout_init_and_apply(linen_ref):
     args, ((l0, s0), g0) = linen_ref
     with jaxmem.flax.linen.intercept(LBlock):
         v = LNet().init({"params": jax.random.key(1), "dropout": jax.random.key(2)}, X)
-        jaxpr = jax.make_jaxpr(lambda *a: _linen_loss(LNet())(*a))(*args)
-        (l1, s1), g1 = _linen_loss(LNet())(*args)
+        jaxpr = jax.make_jaxpr(lambda *a: jax.jit(_linen_loss(LNet()))(*a))(*args)
+        (l1, s1), g1 = fast_run(_linen_loss(LNet()), *args)
     assert _rel(v["params"], args[0]) == 0.0
     assert "remat" in str(jaxpr)
     assert _rel(g1, g0) < 1e-6 and _rel(s1, s0) < 1e-6
@@ -96,9 +98,9 @@ def test_linen_errors():
 def test_linen_nn_scan_stack_grads_equal():
     cfg = dict(bench.SIZES["test"], layers=2)
     params, x, key = bench.stack_inputs(cfg)
-    ref = jax.jit(jax.value_and_grad(bench.stack_loss(cfg)))(params, x, key)
+    ref = fast_run(jax.value_and_grad(bench.stack_loss(cfg)), params, x, key)
     body = lambda cls: jaxmem.flax.linen.remat(cls, prevent_cse=False)
-    out = jax.jit(jax.value_and_grad(bench.stack_loss(cfg, body)))(params, x, key)
+    out = fast_run(jax.value_and_grad(bench.stack_loss(cfg, body)), params, x, key)
     assert _rel(out, ref) < 1e-6
 
 
