@@ -52,3 +52,16 @@ def compile_once():
             mp.setattr(measure, "compile", compiled_once)
             yield
     return patched()
+
+
+def one_rewrite_plan(monkeypatch) -> None:
+    """``verify`` compiles one of the rewrite's candidate plans (the automatic mode's first)
+    beside the plain step, not its best-predicted three: for a test about something every
+    rewritten plan must do (its values, its donation, the plan cache), not about which plan
+    compiles lowest. A test using it should still run a rewritten plan (no "kept the plain
+    step" warning)."""
+    from jaxmem.planning import strategies
+
+    candidates = strategies.auto_candidates
+    monkeypatch.setattr(strategies, "auto_candidates",
+                        lambda a, **kw: candidates(a, **kw)[:1])

@@ -20,6 +20,7 @@ import jaxmem
 from benchmarks.external import corpus
 from benchmarks.external.__main__ import _compare
 from jaxmem import measure
+from tests._compiles import one_rewrite_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,12 +55,9 @@ def test_ci_entries_are_in_the_test_extra():
 
 @pytest.mark.parametrize("name", corpus.CI)
 def test_optimize_matches_jit_and_peak_not_above(name, monkeypatch):
-    from jaxmem.planning import strategies
-
     # verify compiles one of the rewrite's plans beside the plain step, not its best three:
     # the step still runs a rewritten plan, with jit's outputs, at a peak not above jit's
-    candidates = strategies.auto_candidates
-    monkeypatch.setattr(strategies, "auto_candidates", lambda a, **kw: candidates(a, **kw)[:1])
+    one_rewrite_plan(monkeypatch)
     e = corpus.make(name, "test")
     step = e.make_step()
 

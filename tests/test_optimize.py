@@ -16,6 +16,7 @@ import pytest
 import jaxmem
 from benchmarks.zoo.small import CNN, MLP, DropMLP, make_step
 from jaxmem import measure
+from tests._compiles import one_rewrite_plan
 from tests._fast_compile import fast_jaxmem_compiles, fast_run, xla_flags
 
 
@@ -75,7 +76,8 @@ def test_less_memory_and_bounded_flops(workloads, name):
     assert plan.compiled.temp < plan.baseline.temp
 
 
-def test_lower_compile_reflects_the_plan(workloads):
+def test_lower_compile_reflects_the_plan(workloads, monkeypatch):
+    one_rewrite_plan(monkeypatch)  # about the executable of whichever plan runs
     step, state, (x, y) = workloads["mlp"]
     opt = jaxmem.optimize(step, donate_argnums=())
     got = measure.figures(opt.lower(state, x, y).compile())
@@ -120,7 +122,8 @@ def test_strategy_none_is_plain_jit(workloads):
     assert_same(jax.jit(step)(state, x, y), opt(state, x, y))
 
 
-def test_auto_donation_consumes_the_state(workloads):
+def test_auto_donation_consumes_the_state(workloads, monkeypatch):
+    one_rewrite_plan(monkeypatch)  # about donation, whichever plan runs
     step, state, (x, y) = workloads["mlp"]
     ref = jax.jit(step)(state, x, y)
     state2 = jax.tree.map(jnp.copy, state)

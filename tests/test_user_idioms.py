@@ -29,7 +29,7 @@ from flax.training import train_state
 
 import jaxmem
 from jaxmem import measure
-from tests._compiles import count_compiles
+from tests._compiles import count_compiles, one_rewrite_plan
 
 # Its tests compile the same steps and plans again: each distinct program once (conftest.py).
 COMPILE_ONCE = True
@@ -174,11 +174,7 @@ def _one_plan(monkeypatch):
     (not its best three): these tests are about the idioms (donation, the baseline being the
     user's jax.jit, one planning over three calls, the peak never above it), which hold
     whichever plans are compiled, since verify keeps the lowest of them and the plain step."""
-    from jaxmem.planning import strategies
-
-    candidates = strategies.auto_candidates
-    monkeypatch.setattr(strategies, "auto_candidates",
-                        lambda a, **kw: candidates(a, **kw)[:1])
+    one_rewrite_plan(monkeypatch)
 
 
 IDIOMS = ["trainstate_mlp", "trainstate_bn_shard_map"]
