@@ -13,6 +13,7 @@ from jaxmem.program import TraceError
 import jaxmem
 import jaxmem.flax
 from jaxmem import measure
+from tests._compiles import one_rewrite_plan
 
 
 class Net(nnx.Module):
@@ -70,7 +71,8 @@ def reference():
     return _train(nnx.jit(train_step))
 
 
-def test_docs_loop_matches_nnx_jit(reference):
+def test_docs_loop_matches_nnx_jit(reference, monkeypatch):
+    one_rewrite_plan(monkeypatch)  # nnx.jit's semantics, whichever plan runs
     ref_losses, ref_state = reference
     step = jaxmem.flax.nnx.optimize(train_step)
     losses, state = _train(step)
