@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from jaxmem.__main__ import TargetError, build_parser, load_target, main
+from tests._compiles import one_rewrite_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,7 +34,8 @@ def test_analyze_lists_residuals(capsys):
     assert "batch 8" in out and "utility" in out
 
 
-def test_plan_prints_compiled_figures(capsys):
+def test_plan_prints_compiled_figures(capsys, monkeypatch):
+    one_rewrite_plan(monkeypatch)  # the report's sections, whichever plan verify keeps
     assert main(["plan", "zoo:cnn_bn", "--explain"]) == 0
     out = capsys.readouterr().out
     assert "jaxmem.Plan" in out
