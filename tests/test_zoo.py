@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from benchmarks import zoo
-from tests._fast_compile import fast_compile
+from tests._fast_compile import fast_compile, xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 # The Llama variants have their own file (tests/test_llama.py: steps, remat, presets, sizes).
@@ -226,6 +226,9 @@ def test_benchmark_quick_cli_writes_json_and_csv(tmp_path):
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        # the files' form is checked, not the figures: XLA:CPU's loop emitters as well as
+        # conftest.py's -O0 (tests/_fast_compile.py), for less compile time
+        "XLA_FLAGS": xla_flags("--xla_cpu_use_fusion_emitters=false"),
     }
     cmd = [sys.executable, "-m", "benchmarks", "--quick", "--models", "mlp", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
