@@ -11,8 +11,10 @@ then times trace + analyze (median of 5, after one warm-up) and the rewrite's tr
 instead, the work ``verify=True`` does on the first call beside its compiles, for each of
 the step's candidate plans (:func:`jaxmem.compiling.choose.rewrite_candidates`): trace its
 rewrite, build jaxmem's program of it (``from_jaxpr``) and run the liveness model on it
-(:func:`jaxmem.compiling.choose.rewritten_peak`), each summed over the candidates; nothing
-is compiled.
+(:func:`jaxmem.compiling.choose.rewritten_peak`), each summed over the candidates; and the
+same programs built without tracing (:meth:`jaxmem.compiling.steps.Step.rewritten`, what
+``verify`` does since 2026-12-07), with how many give the traced one's liveness figures;
+nothing is compiled.
 """
 
 from __future__ import annotations
@@ -100,9 +102,17 @@ def rewritten_steps(model: str, size: str, target: str) -> None:
     for p in programs:
         liveness(p, donated=step.donate_flat, platform=step.platform)
     t3 = time.perf_counter()
+    built = [step.rewritten(c.plan) for c in cands]
+    t4 = time.perf_counter()
+    same = sum(liveness(b, donated=step.donate_flat, platform=step.platform)
+               == liveness(p, donated=step.donate_flat, platform=step.platform)
+               for b, p in zip(built, programs, strict=True))
     print(f"{model} ({size}, {target}): {len(cands)} candidates, "
           f"{sum(len(p.nodes) for p in programs):,} equations in their rewrites")
     print(f"trace {t1 - t0:.2f} s, from_jaxpr {t2 - t1:.2f} s, liveness {t3 - t2:.2f} s")
+    print(f"built without tracing (what verify does since 2026-12-07, "
+          f"jaxmem.rewriting.symbolic) {t4 - t3:.2f} s; the same liveness figures on "
+          f"{same} of {len(cands)}")
 
 
 if __name__ == "__main__":

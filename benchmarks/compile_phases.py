@@ -58,14 +58,14 @@ model, size, target = sys.argv[1:4]
 MARK = sys.argv[4]
 if sys.argv[5] == "strip":  # every optimization_barrier the rewrite emits is the identity
     from jax import lax as _lax
-    import jaxmem.rewriting.rewrite as _rewrite, jaxmem.rewriting.settle as _settle
+    import jaxmem.rewriting.emitters as _emitters, jaxmem.rewriting.settle as _settle
     class _NoBarriers:
         def __getattr__(self, name):
             return getattr(_lax, name)
         @staticmethod
         def optimization_barrier(x):
             return x
-    _rewrite.lax = _settle.lax = _NoBarriers()
+    _emitters.lax = _settle.lax = _NoBarriers()
 w = load(model, size, target)
 state, batch = w.state, w.batch
 kinds = set(sys.argv[6].split(","))

@@ -584,13 +584,15 @@ def test_the_block_plans_rewritten_steps_are_analysed_while_the_plain_step_compi
 
     monkeypatch.setattr(plan_step, "rewrite_key", lambda p: p.name)
     monkeypatch.setattr(plan_step.measure, "compile", compile_)
-    monkeypatch.setattr(plan_step, "from_jaxpr", lambda jaxpr: jaxpr.name)
     monkeypatch.setattr(plan_step, "liveness", liveness)
-    monkeypatch.setattr(plan_step, "too_large", lambda jaxpr, n: None)
+    monkeypatch.setattr(plan_step, "program_equations", len)
+    monkeypatch.setattr(plan_step, "too_many", lambda n, step_n: None)
     monkeypatch.setattr(plan_step, "read", lambda exe, jitted, flat: Figures(
         argument=len(jitted), output=0, temp=0, alias=0, flops=1.0))
     plain = _Jitted("plain")
+    # the block plans' rewritten programs, built without tracing (Step.rewritten)
     step = SimpleNamespace(flat=(), rewrite=lambda p: _Jitted(p.name), plain=plain,
+                           rewritten=lambda p: p.name,
                            program=SimpleNamespace(nodes=[None]), donate_flat=(),
                            platform="cuda")
     compiles = plan_step._Compiles(step)

@@ -58,7 +58,7 @@ def _run(monkeypatch, compiled: dict[str, int], plain_predicted: int = 100,
     monkeypatch.setattr(predicted, "CROWD", crowd)
     monkeypatch.setattr(predicted, "rewrite_candidates", lambda *a: list(cands))
 
-    def rewritten_peak(c, step, platform):
+    def rewritten_peak(c, step, platform, program=None):
         events.append(f"analysed {c.plan.strategy}")
         return (rewritten or {}).get(c.plan.strategy)
 
@@ -100,7 +100,8 @@ def _run(monkeypatch, compiled: dict[str, int], plain_predicted: int = 100,
 
     monkeypatch.setattr(predicted, "_Compiles", Compiles)
     monkeypatch.setattr(predicted, "_plain", compile_plain)
-    monkeypatch.setattr(choose, "rewrite_too_large", lambda c, step: (
+    monkeypatch.setattr(choose, "rewritten_program", lambda c, step: c.plan.strategy)
+    monkeypatch.setattr(choose, "rewrite_too_large", lambda c, step, program=None: (
         "too large (test)" if c.plan.strategy in too_large else None))
     _run.skipped = []
 

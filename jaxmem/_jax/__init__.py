@@ -36,7 +36,7 @@ from jaxmem._jax.backends import (
     lowered_platform,
     only_known_plugins,
 )
-from jaxmem._jax.binding import bind, bind_params
+from jaxmem._jax.binding import bind, bind_params, staging_rules
 from jaxmem._jax.jaxprs import (
     COND_NAMES,
     CUSTOM_NAMES,
@@ -52,6 +52,7 @@ from jaxmem._jax.jaxprs import (
     Var,
     call_jaxpr,
     closed_jaxpr,
+    inlined_as_literal,
     is_dropvar,
     is_literal,
     jaxprs_in_params,
@@ -102,13 +103,15 @@ __all__ = [
     "closed_jaxpr", "concat_name_stack", "cuda_plugin_installed", "current_name_stack",
     "default_backend_initialized", "device_space", "extend_name_stack",
     "gpu_client_options_from_env", "has_visible_nvidia_gpu", "has_visible_tpu", "host_space",
-    "initialized_platforms", "is_backward", "is_dropvar", "is_forward", "is_literal",
+    "initialized_platforms", "inlined_as_literal", "is_backward", "is_dropvar", "is_forward",
+    "is_literal",
     "is_floating", "is_tracer", "jaxpr_fun", "jaxprs_in_params", "jit_inlinable",
     "libtpu_installed", "live_only",
     "literal_value", "lowered_platform", "memory_kinds", "name_p", "name_stack",
     "name_stack_str", "only_known_plugins", "optimization_barrier_p", "primitives",
     "replace_params", "saved_residuals", "scopes", "scopes_of", "shard_buffers",
-    "shard_map_kwargs", "shards", "source_context", "sub_jaxprs", "trace_context", "tracing",
+    "shard_map_kwargs", "shards", "source_context", "staging_rules", "sub_jaxprs",
+    "trace_context", "tracing",
     "transforms", "transforms_of", "under_differentiation", "user_context", "varying_axes",
     "with_eqns",
 ]

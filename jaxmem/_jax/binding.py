@@ -24,6 +24,17 @@ def bind_params(eqn: JaxprEqn) -> dict[str, Any]:
     return params
 
 
+def staging_rules(primitive: Any) -> tuple[Any, Any]:
+    """The rules JAX's jaxpr trace applies when ``primitive`` is bound: its constant-folding
+    rule (``(consts, params, out_avals) -> consts or None``: a ``convert_element_type`` of a
+    Python scalar becomes a literal, no equation) and its forwarding rule (``eqn ->
+    (input index or None per output, eqn or None)``: a ``convert_element_type`` to the same
+    type is its input). Either is None where the primitive has none."""
+    from jax._src.interpreters import partial_eval as pe
+
+    return pe.const_fold_rules.get(primitive), pe.forwarding_rules.get(primitive)
+
+
 def bind(eqn: JaxprEqn, *args: Any) -> list[Any]:
     out = eqn.primitive.bind(*_match_varying(eqn, args), **bind_params(eqn))
     return list(out) if eqn.primitive.multiple_results else [out]

@@ -46,6 +46,15 @@ def is_literal(x: Any) -> bool:
     return isinstance(x, Literal)
 
 
+def inlined_as_literal(c: Any) -> bool:
+    """Whether JAX's jaxpr trace writes constant ``c`` read by an equation as a literal of
+    that equation (a scalar: one per read) rather than a constant variable of the jaxpr
+    (an array: one per constant)."""
+    from jax._src import core
+
+    return core.is_literalable(c)
+
+
 def is_dropvar(x: Any) -> bool:
     return isinstance(x, DropVar)
 

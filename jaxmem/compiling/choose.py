@@ -26,11 +26,11 @@ from jaxmem.analyzing.liveness import liveness
 from jaxmem.compiling import quick_compile
 from jaxmem.compiling.background import cancellable
 from jaxmem.compiling.options import Options
-from jaxmem.compiling.steps import Step, read, too_large
+from jaxmem.compiling.steps import Step, program_equations, read, too_many
 from jaxmem.planning import lower_peaks, strategies
 from jaxmem.planning.plan import Plan
 from jaxmem.rewriting.scans import bodies_only
-from jaxmem.tracing.program import from_jaxpr
+from jaxmem.tracing.program import Program, from_jaxpr
 from jaxmem.xla.measure import PEAK_TIE, Figures, fmt_bytes, lowest
 
 #: The built-in policy the automatic mode compiles as a candidate of its own, on the whole
@@ -39,11 +39,14 @@ LOSS_POLICY = "dots_saveable"
 
 
 class Candidate(NamedTuple):
-    """A plan, the jitted step that runs it, and a thunk that lowers that step."""
+    """A plan, the jitted step that runs it, and a thunk that lowers that step;
+    ``rewrites``: ``jitted`` is the step's rewrite of ``plan`` (:meth:`Step.rewrite`), whose
+    program the analysis builds without tracing it (:meth:`Step.rewritten`)."""
 
     plan: Plan
     jitted: Any
     lower: Callable[[], Any]
+    rewrites: bool = False
 
 
 class Compiled(NamedTuple):
@@ -119,15 +122,26 @@ def sized(cands: list[Candidate], step: Step) -> tuple[list[Candidate], tuple[st
     return keep, tuple(notes)
 
 
-def rewrite_too_large(cand: Candidate, step: Step) -> str | None:
+def rewrite_too_large(cand: Candidate, step: Step, program: Program | None = None
+                      ) -> str | None:
     """Why ``cand``'s rewrite of ``step`` is too large to compile
-    (:func:`~jaxmem.compiling.steps.too_large`, on its trace, which JAX caches for the
-    lowering); None when it is not, or when it cannot be traced here (its compile says
-    why)."""
+    (:func:`~jaxmem.compiling.steps.too_large`, on its program, :func:`rewritten_program`
+    or ``program`` where given); None when it is not, or when it cannot be traced here (its
+    compile says why)."""
     try:
-        return too_large(cand.jitted.trace(*step.flat).jaxpr, len(step.program.nodes))
+        program = rewritten_program(cand, step) if program is None else program
+        return too_many(program_equations(program), len(step.program.nodes))
     except Exception:  # noqa: BLE001 - compiled as before; the compile says why
         return None
+
+
+def rewritten_program(cand: Candidate, step: Step) -> Program:
+    """``cand``'s program as compiled, for the analysis: a rewrite's built without tracing
+    it (:meth:`Step.rewritten`), another's (a built-in policy) traced. Raises what the
+    trace raises."""
+    if cand.rewrites:
+        return step.rewritten(cand.plan)
+    return from_jaxpr(cand.jitted.trace(*step.flat).jaxpr)
 
 
 def _hinted(chosen: tuple[Plan, Any], analysis: Analysis, cap: float) -> tuple[Plan, Any]:
@@ -164,20 +178,23 @@ def ranked(cands: list[Any], analysis: Analysis, plan_of: Callable[[Any], Plan] 
             [c for c, p in zip(cands, peak, strict=True) if p > cut])
 
 
-def rewritten_liveness(cand: Candidate, step: Step, platform: str) -> int:
-    """The peak the liveness model predicts for ``cand``'s rewritten step itself (traced
-    with the step's arguments and donation, for ``platform``'s compiler): it sees the
-    regions, barriers and re-created values the plan's drop set does not. Raises what the
-    trace raises (:func:`rewritten_peak` does not)."""
-    program = from_jaxpr(cand.jitted.trace(*step.flat).jaxpr)
+def rewritten_liveness(cand: Candidate, step: Step, platform: str,
+                       program: Program | None = None) -> int:
+    """The peak the liveness model predicts for ``cand``'s rewritten step itself (with the
+    step's arguments and donation, for ``platform``'s compiler): it sees the regions,
+    barriers and re-created values the plan's drop set does not. ``program``: the step's
+    :func:`rewritten_program` where built already. Raises what the trace raises
+    (:func:`rewritten_peak` does not)."""
+    program = rewritten_program(cand, step) if program is None else program
     return liveness(program, donated=step.donate_flat, platform=platform)[0]
 
 
-def rewritten_peak(cand: Candidate, step: Step, platform: str) -> int | None:
+def rewritten_peak(cand: Candidate, step: Step, platform: str,
+                   program: Program | None = None) -> int | None:
     """:func:`rewritten_liveness`, or None when the rewrite cannot be traced here (the
     compile will say why)."""
     try:
-        return rewritten_liveness(cand, step, platform)
+        return rewritten_liveness(cand, step, platform, program)
     except Exception:  # noqa: BLE001 - not ranked; compiled or skipped as before
         return None
 
@@ -269,7 +286,8 @@ def verified_as_is(plan: Plan, analysis: Analysis, step: Step) -> tuple[Plan, An
 def _rewritten(plan: Plan, step: Step) -> Candidate:
     """``plan`` as a candidate: its jitted rewrite of ``step`` and a lowering thunk."""
     jitted = step.rewrite(plan)
-    return Candidate(plan, jitted, cancellable(functools.partial(jitted.lower, *step.flat)))
+    return Candidate(plan, jitted, cancellable(functools.partial(jitted.lower, *step.flat)),
+                     rewrites=True)
 
 
 def rewrite_candidates(plan: Plan, analysis: Analysis, step: Step,

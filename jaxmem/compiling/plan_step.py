@@ -27,7 +27,15 @@ from jaxmem.compiling.builtin_fallbacks import builtin_within, unplanned_budget,
 from jaxmem.compiling.offload_verify import device_peak, verified_offload
 from jaxmem.compiling.options import Options
 from jaxmem.compiling.signature import profile_of
-from jaxmem.compiling.steps import Step, read, rewrite_key, too_large
+from jaxmem.compiling.steps import (
+    Step,
+    equations,
+    program_equations,
+    read,
+    rewrite_key,
+    too_large,
+    too_many,
+)
 from jaxmem.compiling.trace_step import scans
 from jaxmem.memory import state_offload
 from jaxmem.planning import strategies
@@ -113,12 +121,18 @@ class _Compiles:
 
     def _rewritten(self, key: Any, p: Plan) -> int | None:
         try:
-            jitted, flat = self._streamed(self.step.rewrite(p))
-            traced = jitted.trace(*flat)
-            self._traced = (key, traced)   # plan() sizes it without a new trace
-            if too_large(traced.jaxpr, len(self.step.program.nodes)) is not None:
+            if self.stream:   # the streamed step is traced (its wrapper is not a rewrite)
+                jitted, flat = self._streamed(self.step.rewrite(p))
+                traced = jitted.trace(*flat)
+                self._traced = (key, traced)   # plan() sizes it without a new trace
+                program = from_jaxpr(traced.jaxpr)
+                n = equations(traced.jaxpr)
+            else:   # built without a trace (jaxmem.rewriting.symbolic): the same nodes
+                program = self.step.rewritten(p)
+                n = program_equations(program)
+            if too_many(n, len(self.step.program.nodes)) is not None:
                 return None     # not compiled either (plan() says why)
-            return liveness(from_jaxpr(traced.jaxpr), donated=self.step.donate_flat,
+            return liveness(program, donated=self.step.donate_flat,
                             platform=self.step.platform)[0]
         except Exception:  # noqa: BLE001 - an ordering hint only: the plan is compiled as before
             return None

@@ -315,31 +315,47 @@ def _sized(pred: list[int], top: int, peaks: _RewrittenPeaks) -> list[int]:
 
 
 class _RewrittenPeaks:
-    """Each candidate's rewritten step, traced when first asked for (JAX caches the trace,
-    so the lowering and the analysis do not trace it again): whether it is too large to
-    compile (:func:`.choose.rewrite_too_large`; :attr:`skipped` says why), and the
-    peak the liveness model predicts for it (:func:`.choose.rewritten_peak`, analysed once;
-    None for one too large, or that cannot be traced here). Only the figures are kept, not
-    the traced programs."""
+    """Each candidate's rewritten step, built when first asked for
+    (:func:`.choose.rewritten_program`: without tracing it): whether it is too large to
+    compile (:func:`.choose.rewrite_too_large`; :attr:`skipped` says why), and the peak
+    the liveness model predicts for it (:func:`.choose.rewritten_peak`; None for one too
+    large, or that cannot be built or traced here). Only the figures are kept, and a
+    program sized until its peak is read."""
 
     def __init__(self, cands: list[Candidate], step: Step, platform: str):
         self.cands, self.step, self.platform = cands, step, platform
         self.sizes: dict[int, str | None] = {}
         self.known: dict[int, int | None] = {}
         self.skipped: list[str] = []
+        self._held: dict[int, Any] = {}   # programs sized whose peak is not read yet
+
+    def _program(self, i: int) -> Any:
+        """Candidate ``i``'s rewritten program (None where it cannot be built or traced
+        here), held from its sizing until its peak is read (both from one build)."""
+        if i not in self._held:
+            try:
+                self._held[i] = choose.rewritten_program(self.cands[i], self.step)
+            except Exception:  # noqa: BLE001 - not ranked; compiled as before (it says why)
+                self._held[i] = None
+        return self._held[i]
 
     def too_large(self, i: int) -> bool:
         if i not in self.sizes:
-            why = choose.rewrite_too_large(self.cands[i], self.step)
+            program = self._program(i)
+            why = None if program is None else \
+                choose.rewrite_too_large(self.cands[i], self.step, program)
             if why is not None:
                 self.skipped.append(f"{self.cands[i].plan.strategy}: {why}")
+                self._held.pop(i)   # never analysed
             self.sizes[i] = why
         return self.sizes[i] is not None
 
     def __call__(self, i: int) -> int | None:
         if i not in self.known:
-            self.known[i] = (None if self.too_large(i) else
-                             choose.rewritten_peak(self.cands[i], self.step, self.platform))
+            program = None if self.too_large(i) else self._program(i)
+            self.known[i] = None if program is None else choose.rewritten_peak(
+                self.cands[i], self.step, self.platform, program)
+            self._held.pop(i, None)   # its figures are known: not held
         return self.known[i]
 
 

@@ -21,9 +21,9 @@ from jaxmem import _jax
 from jaxmem.compiling.signature import device_of
 from jaxmem.memory import state_offload
 from jaxmem.planning.plan import Plan
-from jaxmem.rewriting import blockwise
+from jaxmem.rewriting import blockwise, symbolic
 from jaxmem.rewriting.rewrite import apply
-from jaxmem.tracing.program import Program
+from jaxmem.tracing.program import Program, from_jaxpr
 from jaxmem.xla import measure, targets
 from jaxmem.xla.measure import Figures
 
@@ -45,14 +45,25 @@ class Step:
 
     def rewrite(self, plan: Plan) -> Any:
         """``jax.jit`` of the joint-jaxpr rewrite of ``plan``, with the step's donation."""
+        return jax.jit(apply(self.program, plan, **self._rewrite_options()),
+                       donate_argnums=self.donate_flat,
+                       **self.jit_kwargs)
+
+    def rewritten(self, plan: Plan) -> Program:
+        """The program of :meth:`rewrite`'s trace, for the analysis: built without tracing
+        (:func:`jaxmem.rewriting.symbolic.rewritten_program`, the same nodes), or traced
+        where the plan offloads. Raises what the trace raises."""
+        try:
+            return symbolic.rewritten_program(self.program, plan, **self._rewrite_options())
+        except symbolic.Unsupported:
+            return from_jaxpr(self.rewrite(plan).trace(*self.flat).jaxpr)
+
+    def _rewrite_options(self) -> dict[str, bool]:
         # host copies are tied into the forward pass, and finished gradients into the next
         # backward run, only for the accelerators' schedulers (XLA:CPU strips host placement
         # and keeps the program's order: there the ties would only add barriers)
         accelerator = self.platform != "cpu"
-        return jax.jit(apply(self.program, plan, settle_host=accelerator,
-                             fence_gradients=accelerator),
-                       donate_argnums=self.donate_flat,
-                       **self.jit_kwargs)
+        return {"settle_host": accelerator, "fence_gradients": accelerator}
 
     def loss(self, policy: str, per_block: bool = False) -> tuple[Any, list[str]]:
         """``jax.jit`` of the user's step on flat inputs with every loss it differentiates
@@ -168,11 +179,22 @@ def equations(jaxpr: Any) -> int:
     return sum(1 + sum(map(equations, _jax.sub_jaxprs(eqn))) for eqn in jaxpr.eqns)
 
 
+def program_equations(program: Program) -> int:
+    """The equations of ``program``'s nodes, those of their sub-jaxprs (loop and remat
+    bodies) included: :func:`equations` of its trace, with nested ``jit`` calls
+    inlined."""
+    return sum(1 + sum(map(equations, _jax.sub_jaxprs(n.eqn))) for n in program.nodes)
+
+
 def too_large(jaxpr: Any, step_equations: int) -> str | None:
     """Why ``jaxpr`` (a rewrite of a step of ``step_equations`` equations) is not compiled:
     it has more than :data:`MAX_REWRITE_GROWTH` times as many equations; None when it is
     not over."""
-    n = equations(jaxpr)
+    return too_many(equations(jaxpr), step_equations)
+
+
+def too_many(n: int, step_equations: int) -> str | None:
+    """:func:`too_large` of a rewrite of ``n`` equations."""
     if n <= MAX_REWRITE_GROWTH * max(step_equations, 1):
         return None
     return (f"its rewrite has {n:,} equations, {n / max(step_equations, 1):.1f}x the step's "

@@ -27,12 +27,11 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
-from jax import lax
 
-from jaxmem import _jax
 from jaxmem.analyzing.analysis import find_residuals
 from jaxmem.analyzing.chains import backward_regions, chain_start, is_anchor, replay_chain
 from jaxmem.planning.plan import Plan
+from jaxmem.rewriting.emitters import Traced
 from jaxmem.rewriting.settle import Orderings, beside_barrier, cotangent_ties, narrowest
 from jaxmem.rewriting.substitutes import substitute_for
 from jaxmem.tracing.primitives import CHEAP
@@ -47,8 +46,10 @@ class _Replay:
                  reuse: frozenset[int] = frozenset(), narrow: frozenset[int] = frozenset(),
                  region_depth: int | None = None, tie_kept: bool = False,
                  substitute: bool = True, cut_cotangents: bool | None = None,
-                 settle_host: bool = True, fence_gradients: bool = True) -> None:
+                 settle_host: bool = True, fence_gradients: bool = True,
+                 ops: Any = None) -> None:
         self.p = program
+        self.ops = Traced() if ops is None else ops
         self.substitutes = {n.index: fn for n in program.nodes
                             if substitute and (fn := substitute_for(n.eqn)) is not None}
         self.depth = region_depth
@@ -106,9 +107,10 @@ class _Replay:
 
     def emit(self, n: Node, ins: list[Any]) -> list[Any]:
         """Re-bind node ``n`` on ``ins`` (its lean substitute where there is one)."""
-        with _jax.user_context(n.eqn.source_info.traceback, n.stack):
+        with self.ops.context(n):
             sub = self.substitutes.get(n.index)
-            return sub(*ins) if sub is not None else _jax.bind(n.eqn, *ins)
+            return self.ops.substitute(sub, ins) if sub is not None else \
+                self.ops.bind(n.eqn, ins)
 
     def tied(self, v: int) -> bool:
         """A kept value a backward region reads through its barrier (``tie_kept``)."""
@@ -136,14 +138,15 @@ class _Replay:
             env[vid] = x
         for v in p.values:
             if v.is_const:
-                env[v.id] = v.const
+                env[v.id] = self.ops.const(v)
         host: dict[int, Any] = {}
         region: tuple[str, str] | None = None
         cache: dict[int, Any] = {}
         reused: dict[int, Any] = {}      # reuse: re-created copies later regions read too
         fetched: dict[tuple[int, int], Any] = {}  # (run, value) -> prefetched device copy
         last: int | None = None  # the last backward value made
-        order = self.orderings.fresh()  # this trace's ties for the accelerators' schedulers
+        # this trace's ties for the accelerators' schedulers
+        order = self.orderings.fresh(self.ops.barrier)
         for n in p.nodes:
             if n.index in self.ahead:
                 self.prefetch(n, env, host, fetched, last)
@@ -171,16 +174,16 @@ class _Replay:
             ins = order.inputs(n, ins, env, host)
             outs = self.emit(n, ins)
             if n.phase == "forward" and any(o in self.narrow for o in n.outputs):
-                outs = [lax.optimization_barrier(x) if o in self.narrow else x
+                outs = [self.ops.barrier(x) if o in self.narrow else x
                         for o, x in zip(n.outputs, outs, strict=True)]
             if n.phase == "backward" and any(o in self.cut for o in n.outputs):
-                outs = [lax.optimization_barrier(x) if o in self.cut else x
+                outs = [self.ops.barrier(x) if o in self.cut else x
                         for o, x in zip(n.outputs, outs, strict=True)]
             for o, x in zip(n.outputs, outs, strict=True):
                 env[o] = x
                 if o in self.offload:
-                    with _jax.user_context(n.eqn.source_info.traceback, n.stack):
-                        host[o] = jax.device_put(x, _jax.host_space())
+                    with self.ops.context(n):
+                        host[o] = self.ops.to_host(x)
             order.made(n)
             if n.phase == "backward" and outs:
                 last = n.outputs[0]
@@ -196,12 +199,12 @@ class _Replay:
         tie = self.tie(n, env, last)
         operands = [host[v] for v in vs]
         if tie:
-            operands, _ = lax.optimization_barrier((operands, list(tie)))
+            operands, _ = self.ops.barrier((operands, list(tie)))
         run = self.run_of[n.index] + 1
         for v, x in zip(vs, operands, strict=True):
             m = self.p.nodes[self.p.values[v].producer]
-            with _jax.user_context(m.eqn.source_info.traceback, m.stack):
-                fetched[(run, v)] = jax.device_put(x, _jax.device_space())
+            with self.ops.context(m):
+                fetched[(run, v)] = self.ops.to_device(x)
 
     def untied(self, anchors: list[int], nodes: list[int]) -> list[int]:
         """The chain anchors read beside the barrier: the step's own inputs that the chain
@@ -253,15 +256,15 @@ class _Replay:
         if tie and operands:
             # The barrier makes the re-created values depend on this region's cotangents, so
             # XLA cannot compute them early, nor CSE them with the forward originals.
-            operands, _ = lax.optimization_barrier((operands, list(tie)))
+            operands, _ = self.ops.barrier((operands, list(tie)))
         local = dict(cache)
         local.update((a, env[a]) for a in inputs)
         for a, x in zip(anchors, operands[:len(anchors)], strict=True):
             local[a] = x
         for v, x in zip(fetch, operands[len(anchors):], strict=True):
             n = self.p.nodes[self.p.values[v].producer]
-            with _jax.user_context(n.eqn.source_info.traceback, n.stack):
-                cache[v] = local[v] = jax.device_put(x, _jax.device_space())
+            with self.ops.context(n):
+                cache[v] = local[v] = self.ops.to_device(x)
         # Matmul outputs are read beside the barrier where it orders the node already.
         beside = beside_barrier(self.p, nodes, anchors, fetch) if tie and operands else {}
         for i in nodes:
@@ -352,11 +355,19 @@ def apply(program: Program, plan: Plan, **options: Any) -> Callable[..., list[An
       >>> fn = apply(prog, plan_auto(jaxmem.analyzing.analysis.from_program(prog)))
       >>> loss, g = jax.jit(fn)(*args)
     """
+    return replay(program, plan, **options).run
+
+
+def replay(program: Program, plan: Plan, *, ops: Any = None, **options: Any) -> _Replay:
+    """:func:`apply`'s replay of ``program`` (its ``run`` is the function :func:`apply`
+    returns), emitting through ``ops`` (:class:`Traced` when None; a
+    :class:`jaxmem.rewriting.symbolic.Symbolic` builds the rewritten program's nodes
+    without tracing)."""
     chosen = frozenset(c.residual.value for c in plan.choices)
     if plan.unfenced:
         options = {**options, "fence_gradients": False}
-    return rewrite(program, plan.recompute, plan.offload, chosen | plan.keep,
-                   region_depth=plan.region_depth, **options)
+    return _replay(program, plan.recompute, plan.offload, chosen | plan.keep,
+                   region_depth=plan.region_depth, ops=ops, **options)
 
 
 _RENAMED = {"persist": "reuse", "pin_narrow": "keep_narrow", "route_kept": "tie_kept"}
@@ -427,11 +438,26 @@ def rewrite(program: Program, recompute: Iterable[int] = frozenset(),
       **renamed: the former names ``persist``, ``pin_narrow`` and ``route_kept`` of
         ``reuse``, ``keep_narrow`` and ``tie_kept`` (deprecated).
     """
+    return _replay(program, recompute, offload, residuals, prefetch=prefetch, reuse=reuse,
+                   keep_narrow=keep_narrow, region_depth=region_depth, tie_kept=tie_kept,
+                   substitute=substitute, cut_cotangents=cut_cotangents,
+                   settle_host=settle_host, fence_gradients=fence_gradients, **renamed).run
+
+
+def _replay(program: Program, recompute: Iterable[int] = frozenset(),
+            offload: Iterable[int] = frozenset(),
+            residuals: Iterable[int] | None = None, *, prefetch: bool = True,
+            reuse: Iterable[int] = frozenset(), keep_narrow: bool = True,
+            region_depth: int | None = None, tie_kept: bool | None = None,
+            substitute: bool = True, cut_cotangents: bool | None = None,
+            settle_host: bool | None = None, fence_gradients: bool | None = None,
+            ops: Any = None, **renamed: Any) -> _Replay:
+    """:func:`rewrite`'s replay, emitting through ``ops``."""
     for old in renamed:
         if old not in _RENAMED:
             raise TypeError(f"rewrite() got an unexpected keyword argument {old!r}")
         warnings.warn(f"rewrite({old}=...) is deprecated; use {_RENAMED[old]}=",
-                      DeprecationWarning, stacklevel=2)
+                      DeprecationWarning, stacklevel=3)
     reuse = renamed.get("persist", reuse)
     keep_narrow = renamed.get("pin_narrow", keep_narrow)
     tie_kept = renamed.get("route_kept", tie_kept)
@@ -446,12 +472,11 @@ def rewrite(program: Program, recompute: Iterable[int] = frozenset(),
     narrow = (narrow_residuals(program, residuals - recompute - offload) if keep_narrow
               else frozenset())
     accelerator = jax.default_backend() != "cpu"
-    replay = _Replay(program, recompute, offload, residuals, prefetch=prefetch,
-                     reuse=frozenset(reuse) & recompute, narrow=narrow,
-                     region_depth=region_depth,
-                     tie_kept=region_depth is not None if tie_kept is None else tie_kept,
-                     substitute=substitute, cut_cotangents=cut_cotangents,
-                     settle_host=accelerator if settle_host is None else settle_host,
-                     fence_gradients=(accelerator if fence_gradients is None
-                                      else fence_gradients))
-    return replay.run
+    return _Replay(program, recompute, offload, residuals, prefetch=prefetch,
+                   reuse=frozenset(reuse) & recompute, narrow=narrow,
+                   region_depth=region_depth,
+                   tie_kept=region_depth is not None if tie_kept is None else tie_kept,
+                   substitute=substitute, cut_cotangents=cut_cotangents,
+                   settle_host=accelerator if settle_host is None else settle_host,
+                   fence_gradients=(accelerator if fence_gradients is None
+                                    else fence_gradients), ops=ops)

@@ -39,6 +39,7 @@ program's order: there the ties change no figure).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from jax import lax
@@ -53,14 +54,14 @@ __all__ = ["BESIDE", "EXPANSIONS", "Orderings", "beside_barrier", "cotangent_tie
 
 
 def settle_copies(program: Program, n: Node, ins: list[Any], host: dict[int, Any],
-                  pending: list[tuple[int, tuple[str, str]]], depth: int | None
-                  ) -> list[Any]:
+                  pending: list[tuple[int, tuple[str, str]]], depth: int | None,
+                  barrier: Callable[[Any], Any] | None = None) -> list[Any]:
     """``ins`` of ``n`` tied to the host copies in ``pending`` (value, region made in) made
     in another region than ``n``'s, or all of them once ``n`` is past the forward pass;
     those leave ``pending`` and ``host`` holds their tied copies."""
     here = region_of(n, depth)
     due = [v for v, r in pending if r != here or n.phase != "forward"]
-    ins, tied = _tie(program, n, ins, [host[v] for v in due])
+    ins, tied = _tie(program, n, ins, [host[v] for v in due], barrier)
     if tied is not None:
         host.update(zip(due, tied, strict=True))
         pending[:] = [(v, r) for v, r in pending if v not in set(due)]
@@ -68,11 +69,12 @@ def settle_copies(program: Program, n: Node, ins: list[Any], host: dict[int, Any
 
 
 def settle_outputs(program: Program, n: Node, ins: list[Any], env: dict[int, Any],
-                   unsettled: list[int]) -> list[Any]:
+                   unsettled: list[int], barrier: Callable[[Any], Any] | None = None
+                   ) -> list[Any]:
     """``ins`` of ``n`` (a backward node) tied to the forward-made step outputs in
     ``unsettled``; ``env`` then holds their tied values (what the step returns)."""
     outs = [v for v in unsettled if v in env]
-    ins, tied = _tie(program, n, ins, [env[v] for v in outs])
+    ins, tied = _tie(program, n, ins, [env[v] for v in outs], barrier)
     if tied is not None:
         env.update(zip(outs, tied, strict=True))
         unsettled.clear()
@@ -97,9 +99,10 @@ class Orderings:
         self.run_of = {} if not self.finished else {
             i: k for k, r in enumerate(backward_regions(program, None, depth)) for i in r}
 
-    def fresh(self) -> _Trace:
-        """The state of one trace of the rewrite: nothing pending yet."""
-        return _Trace(self, unsettled=list(self.forward_outputs))
+    def fresh(self, barrier: Callable[[Any], Any] | None = None) -> _Trace:
+        """The state of one trace of the rewrite: nothing pending yet. ``barrier``: what
+        the ties are emitted through (``lax.optimization_barrier`` when None)."""
+        return _Trace(self, unsettled=list(self.forward_outputs), barrier=barrier)
 
 
 @dataclasses.dataclass
@@ -110,6 +113,7 @@ class _Trace:
     unsettled: list[int]  # step outputs the forward pass makes, not yet settled
     pending: list[tuple[int, tuple[str, str]]] = dataclasses.field(default_factory=list)
     done: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (value, run)
+    barrier: Callable[[Any], Any] | None = None
 
     def inputs(self, n: Node, ins: list[Any], env: dict[int, Any],
                host: dict[int, Any]) -> list[Any]:
@@ -117,11 +121,12 @@ class _Trace:
         the tied step outputs and host copies)."""
         o = self.orderings
         if self.pending:
-            ins = settle_copies(o.program, n, ins, host, self.pending, o.depth)
+            ins = settle_copies(o.program, n, ins, host, self.pending, o.depth, self.barrier)
         if n.phase == "backward" and self.unsettled:
-            ins = settle_outputs(o.program, n, ins, env, self.unsettled)
+            ins = settle_outputs(o.program, n, ins, env, self.unsettled, self.barrier)
         if n.phase == "backward" and self.done:
-            ins = fence_finished(o.program, n, ins, env, self.done, o.run_of[n.index])
+            ins = fence_finished(o.program, n, ins, env, self.done, o.run_of[n.index],
+                                 self.barrier)
         return ins
 
     def made(self, n: Node) -> None:
@@ -174,7 +179,8 @@ def finished_values(program: Program) -> frozenset[int]:
 
 
 def fence_finished(program: Program, n: Node, ins: list[Any], env: dict[int, Any],
-                   done: list[tuple[int, int]], run: int) -> list[Any]:
+                   done: list[tuple[int, int]], run: int,
+                   barrier: Callable[[Any], Any] | None = None) -> list[Any]:
     """``ins`` of ``n`` (a node of backward run ``run``) tied to the finished backward values
     in ``done`` (value, run it was made in) that earlier runs made: values nothing later in
     the backward pass reads (weight gradients on their way to the update). Those leave
@@ -189,21 +195,22 @@ def fence_finished(program: Program, n: Node, ins: list[Any], env: dict[int, Any
     MiB.
     """
     due = [v for v, r in done if r < run and v in env]
-    ins, tied = _tie(program, n, ins, [env[v] for v in due])
+    ins, tied = _tie(program, n, ins, [env[v] for v in due], barrier)
     if tied is not None:
         done[:] = [(v, r) for v, r in done if r >= run]
     return ins
 
 
-def _tie(program: Program, n: Node, ins: list[Any], extra: list[Any]
-         ) -> tuple[list[Any], list[Any] | None]:
+def _tie(program: Program, n: Node, ins: list[Any], extra: list[Any],
+         barrier: Callable[[Any], Any] | None = None) -> tuple[list[Any], list[Any] | None]:
     """``n``'s inputs and ``extra`` through one barrier: (new inputs, tied extra), or
     (``ins``, None) when there is nothing to tie or no input to tie it to."""
     keep = [k for k, v in enumerate(n.inputs) if v not in program.constant_derived
             and not program.values[v].is_const]
     if not extra or not keep:
         return ins, None
-    tied_ins, tied = lax.optimization_barrier(([ins[k] for k in keep], list(extra)))
+    tied_ins, tied = (barrier or lax.optimization_barrier)(([ins[k] for k in keep],
+                                                            list(extra)))
     out = list(ins)
     for k, x in zip(keep, tied_ins, strict=True):
         out[k] = x
