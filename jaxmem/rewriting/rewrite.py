@@ -360,14 +360,15 @@ def apply(program: Program, plan: Plan, **options: Any) -> Callable[..., list[An
 
 def replay(program: Program, plan: Plan, *, ops: Any = None, **options: Any) -> _Replay:
     """:func:`apply`'s replay of ``program`` (its ``run`` is the function :func:`apply`
-    returns), emitting through ``ops`` (:class:`Traced` when None; a
+    returns), emitting through ``ops`` (:class:`~jaxmem.rewriting.emitters.Traced` when None; a
     :class:`jaxmem.rewriting.symbolic.Symbolic` builds the rewritten program's nodes
     without tracing)."""
     chosen = frozenset(c.residual.value for c in plan.choices)
     if plan.unfenced:
         options = {**options, "fence_gradients": False}
-    return _replay(program, plan.recompute, plan.offload, chosen | plan.keep,
-                   region_depth=plan.region_depth, ops=ops, **options)
+    run = rewrite(program, plan.recompute, plan.offload, chosen | plan.keep,
+                  region_depth=plan.region_depth, ops=ops, **options)
+    return run.__self__
 
 
 _RENAMED = {"persist": "reuse", "pin_narrow": "keep_narrow", "route_kept": "tie_kept"}
@@ -380,7 +381,7 @@ def rewrite(program: Program, recompute: Iterable[int] = frozenset(),
             region_depth: int | None = None, tie_kept: bool | None = None,
             substitute: bool = True, cut_cotangents: bool | None = None,
             settle_host: bool | None = None, fence_gradients: bool | None = None,
-            **renamed: Any) -> Callable[..., list[Any]]:
+            ops: Any = None, **renamed: Any) -> Callable[..., list[Any]]:
     """A function of the program's flat inputs that recomputes / offloads the given values.
 
     :func:`apply` calls it with a plan's sets; call it directly to try sets by hand.
@@ -435,29 +436,17 @@ def rewrite(program: Program, recompute: Iterable[int] = frozenset(),
         the cotangents it reads live meanwhile (H100 target, zoo GPT bench block plan:
         64.3 MiB unfenced, 41.1 MiB fenced, per-block ``nothing_saveable`` 41.3 MiB).
         Default: as ``settle_host`` (off on the CPU, where it changes nothing).
+      ops: what the replay emits through: :class:`jaxmem.rewriting.emitters.Traced` (None:
+        JAX operations, for a trace) or a :class:`jaxmem.rewriting.symbolic.Symbolic`
+        (the rewritten program's nodes, built without a trace; :func:`replay`).
       **renamed: the former names ``persist``, ``pin_narrow`` and ``route_kept`` of
         ``reuse``, ``keep_narrow`` and ``tie_kept`` (deprecated).
     """
-    return _replay(program, recompute, offload, residuals, prefetch=prefetch, reuse=reuse,
-                   keep_narrow=keep_narrow, region_depth=region_depth, tie_kept=tie_kept,
-                   substitute=substitute, cut_cotangents=cut_cotangents,
-                   settle_host=settle_host, fence_gradients=fence_gradients, **renamed).run
-
-
-def _replay(program: Program, recompute: Iterable[int] = frozenset(),
-            offload: Iterable[int] = frozenset(),
-            residuals: Iterable[int] | None = None, *, prefetch: bool = True,
-            reuse: Iterable[int] = frozenset(), keep_narrow: bool = True,
-            region_depth: int | None = None, tie_kept: bool | None = None,
-            substitute: bool = True, cut_cotangents: bool | None = None,
-            settle_host: bool | None = None, fence_gradients: bool | None = None,
-            ops: Any = None, **renamed: Any) -> _Replay:
-    """:func:`rewrite`'s replay, emitting through ``ops``."""
     for old in renamed:
         if old not in _RENAMED:
             raise TypeError(f"rewrite() got an unexpected keyword argument {old!r}")
         warnings.warn(f"rewrite({old}=...) is deprecated; use {_RENAMED[old]}=",
-                      DeprecationWarning, stacklevel=3)
+                      DeprecationWarning, stacklevel=2)
     reuse = renamed.get("persist", reuse)
     keep_narrow = renamed.get("pin_narrow", keep_narrow)
     tie_kept = renamed.get("route_kept", tie_kept)
@@ -472,11 +461,12 @@ def _replay(program: Program, recompute: Iterable[int] = frozenset(),
     narrow = (narrow_residuals(program, residuals - recompute - offload) if keep_narrow
               else frozenset())
     accelerator = jax.default_backend() != "cpu"
-    return _Replay(program, recompute, offload, residuals, prefetch=prefetch,
-                   reuse=frozenset(reuse) & recompute, narrow=narrow,
-                   region_depth=region_depth,
-                   tie_kept=region_depth is not None if tie_kept is None else tie_kept,
-                   substitute=substitute, cut_cotangents=cut_cotangents,
-                   settle_host=accelerator if settle_host is None else settle_host,
-                   fence_gradients=(accelerator if fence_gradients is None
-                                    else fence_gradients), ops=ops)
+    emitted = _Replay(program, recompute, offload, residuals, prefetch=prefetch,
+                      reuse=frozenset(reuse) & recompute, narrow=narrow,
+                      region_depth=region_depth,
+                      tie_kept=region_depth is not None if tie_kept is None else tie_kept,
+                      substitute=substitute, cut_cotangents=cut_cotangents,
+                      settle_host=accelerator if settle_host is None else settle_host,
+                      fence_gradients=(accelerator if fence_gradients is None
+                                       else fence_gradients), ops=ops)
+    return emitted.run
