@@ -100,7 +100,7 @@ def _shared(program: Program) -> _Shared:
 
 
 class Symbolic:
-    """The replay's operations (:class:`jaxmem.rewriting.rewrite.Traced`'s) on a program
+    """The replay's operations (:class:`jaxmem.rewriting.emitters.Traced`'s) on a program
     under construction: values are the new program's value ids, constants
     :class:`_Const`\\ s (a value is made for each where it is read, as
     :func:`~jaxmem.tracing.program.from_jaxpr` makes one for each literal)."""
@@ -108,7 +108,7 @@ class Symbolic:
     def __init__(self, program: Program):
         self.p = program
         self.b = _Builder()
-        self.stacks = [_jax.current_name_stack()]  # what a barrier outside a node gets
+        self.ambient = _jax.current_name_stack()  # what a barrier outside a node gets
         self.at: list[Node | None] = [None]  # the node being emitted (context)
         self.inputs = [self.b.value(program.values[v].aval, None, input_index=i)
                        for i, v in enumerate(program.inputs)]
@@ -157,7 +157,7 @@ class Symbolic:
         if again:
             self._copy(n, read)   # the traced node's figures
         else:
-            self.b.node(eqn, read, self.stacks[-1], {})
+            self.b.node(eqn, read, self.stack(), {})
         outs = self.b.nodes[-1].outputs
         if fwd is None:
             return list(outs)
@@ -189,12 +189,12 @@ class Symbolic:
         closed = self.shared.substitutes.get(n.index) if n is not None else None
         if closed is None:
             avals = [self.aval(x) for x in ins]
-            closed = jax.make_jaxpr(lambda *a: fn(*a))(
+            closed = jax.make_jaxpr(fn)(
                 *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
             if n is not None:
                 self.shared.substitutes[n.index] = closed
         env = dict(zip(closed.jaxpr.invars, map(self.read, ins), strict=True))
-        self.b.walk(closed.jaxpr, closed.consts, env, self.stacks[-1])
+        self.b.walk(closed.jaxpr, closed.consts, env, self.stack())
         return [self.b.read(env, v) for v in closed.jaxpr.outvars]
 
     def barrier(self, tree: Any) -> Any:
@@ -209,14 +209,18 @@ class Symbolic:
 
     to_device = to_host
 
+    def stack(self) -> Any:
+        """The name stack the replay binds under now: the node's being emitted, or the
+        trace's own outside any."""
+        n = self.at[-1]
+        return self.ambient if n is None else n.stack
+
     @contextlib.contextmanager
     def context(self, n: Node) -> Iterator[None]:
-        self.stacks.append(n.stack)
         self.at.append(n)
         try:
             yield
         finally:
-            self.stacks.pop()
             self.at.pop()
 
     def const(self, v: Value) -> _Const:
