@@ -15,12 +15,18 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitter
 def fast_compile(lowered: Any) -> Any:
     """``measure.compile`` with :data:`FAST_COMPILE` (-O0 alone on an XLA without the emitter
     option)."""
+    return _fast(measure.compile, lowered)
+
+
+def _fast(compile_fn: Any, lowered: Any, options: dict[str, Any] | None = None) -> Any:
+    """``compile_fn(lowered, options)`` with :data:`FAST_COMPILE` added (-O0 alone on an
+    XLA without the emitter option)."""
     try:
-        return measure.compile(lowered, FAST_COMPILE)
+        return compile_fn(lowered, {**FAST_COMPILE, **(options or {})})
     except Exception as e:
         if "xla_cpu_use_fusion_emitters" not in str(e):
             raise
-        return measure.compile(lowered, {"xla_backend_optimization_level": 0})
+        return compile_fn(lowered, {"xla_backend_optimization_level": 0, **(options or {})})
 
 
 def xla_flags(*extra: str) -> str:
@@ -44,13 +50,5 @@ def fast_jaxmem_compiles(monkeypatch: Any) -> None:
     :func:`fast_compile` or :func:`fast_run`, so that both sides are compiled the same way.
     jaxmem plans and rewrites as ever; only XLA:CPU's machine code is made faster."""
     real = measure.compile
-
-    def fast(lowered: Any, options: dict[str, Any] | None = None) -> Any:
-        try:
-            return real(lowered, {**FAST_COMPILE, **(options or {})})
-        except Exception as e:
-            if "xla_cpu_use_fusion_emitters" not in str(e):
-                raise
-            return real(lowered, {"xla_backend_optimization_level": 0, **(options or {})})
-
-    monkeypatch.setattr(measure, "compile", fast)
+    monkeypatch.setattr(measure, "compile",
+                        lambda lowered, options=None: _fast(real, lowered, options))
