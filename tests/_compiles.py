@@ -65,3 +65,18 @@ def one_rewrite_plan(monkeypatch) -> None:
     candidates = strategies.auto_candidates
     monkeypatch.setattr(strategies, "auto_candidates",
                         lambda a, **kw: candidates(a, **kw)[:1])
+
+
+def one_builtin(monkeypatch, per_block: bool) -> None:
+    """``verify="builtins"`` compiles one of the two built-in candidates: the policy around
+    each block (``per_block``) or around the whole loss, for a test whose relation is that
+    one's."""
+    from jaxmem.compiling import choose
+
+    builtins = choose.builtin_candidates
+
+    def only(*a, **kw):
+        found, skipped = builtins(*a, **kw)
+        return [c for c in found if c.plan.loss_blocks == per_block], skipped
+
+    monkeypatch.setattr(choose, "builtin_candidates", only)

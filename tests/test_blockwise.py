@@ -71,18 +71,10 @@ def test_optimize_compiles_it_and_stays_at_or_below_it(monkeypatch):
     candidate beside its own plans, so its compiled peak is never above the per-block
     built-in's. (Beside it, one of the rewrite's plans and no whole-loss built-in: the
     relation is the per-block built-in's, whatever else is compiled.)"""
-    from jaxmem.compiling import choose
-    from jaxmem.planning import strategies
+    from tests._compiles import one_builtin, one_rewrite_plan
 
-    candidates, builtins = strategies.auto_candidates, choose.builtin_candidates
-    monkeypatch.setattr(strategies, "auto_candidates",
-                        lambda a, **kw: candidates(a, **kw)[:1])
-
-    def per_block_only(*a, **kw):
-        found, skipped = builtins(*a, **kw)
-        return [c for c in found if c.plan.loss_blocks], skipped
-
-    monkeypatch.setattr(choose, "builtin_candidates", per_block_only)
+    one_rewrite_plan(monkeypatch)
+    one_builtin(monkeypatch, per_block=True)
     w = _nnx_mlp()
     opt = jaxmem.optimize(w.step, donate_argnums=0, verify="builtins")
     plan = opt.plan(*w.args)

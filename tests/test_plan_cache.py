@@ -124,14 +124,12 @@ def test_a_step_without_scans_is_traced_once_per_plan(tmp_path, monkeypatch, com
     candidates); a cache hit traces it once. A scan-body choice, which traces the step under
     each body policy, is skipped when the step has no scan."""
     from benchmarks import zoo
-    from jaxmem.planning import strategies
+    from tests._compiles import one_rewrite_plan
 
     # The rewrite's candidates never run the step's Python (they rewrite its traced
     # program): one of them is enough here; the plain step and that candidate, compiled by
     # the first two optimizes alike, are compiled once (the compiled_once fixture).
-    candidates = strategies.auto_candidates
-    monkeypatch.setattr(strategies, "auto_candidates",
-                        lambda a, **kw: candidates(a, **kw)[:1])
+    one_rewrite_plan(monkeypatch)
     w = zoo.make("mlp", size="test")
     traces = []
 
@@ -196,19 +194,13 @@ def test_the_builtin_policy_candidate_runs_and_is_cached(tmp_path, compiled_once
     lowest (here the rewrite's candidates are replaced by a plan that drops nothing, and the
     built-ins are the one that wins, the policy around each block), that step runs, with
     jax.jit's results, and a plan cache hit runs it again without a planning compile."""
-    from jaxmem.compiling import choose
     from jaxmem.planning import strategies
+    from tests._compiles import one_builtin
 
     step, state0, batch = _hk_resnet_step()
     monkeypatch.setattr(strategies, "auto_candidates",
                         lambda a, **kw: [strategies.plan_none(a)])
-    builtins = choose.builtin_candidates
-
-    def per_block_only(*a, **kw):  # the whole-loss built-in compiled above it here
-        found, skipped = builtins(*a, **kw)
-        return [c for c in found if c.plan.loss_blocks], skipped
-
-    monkeypatch.setattr(choose, "builtin_candidates", per_block_only)
+    one_builtin(monkeypatch, per_block=True)  # the whole-loss built-in compiled above it here
 
     def state():  # the step donates its state
         return jax.tree.map(jnp.copy, state0)

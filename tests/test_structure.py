@@ -207,17 +207,10 @@ def test_optimize_matches_jit_and_lowers_peak_where_names_miss_layers(name, monk
 
 
 def _whole_loss_builtin_and_one_plan(monkeypatch):
-    from jaxmem.compiling import choose
+    from tests._compiles import one_builtin, one_rewrite_plan
 
-    candidates, builtins = strategies.auto_candidates, choose.builtin_candidates
-    monkeypatch.setattr(strategies, "auto_candidates",
-                        lambda a, **kw: candidates(a, **kw)[:1])
-
-    def whole_loss_only(*a, **kw):
-        found, skipped = builtins(*a, **kw)
-        return [c for c in found if not c.plan.loss_blocks], skipped
-
-    monkeypatch.setattr(choose, "builtin_candidates", whole_loss_only)
+    one_rewrite_plan(monkeypatch)
+    one_builtin(monkeypatch, per_block=False)
 
 
 @contextlib.contextmanager
