@@ -2,15 +2,15 @@
 
 Part of the fifth box (:mod:`jaxmem.compiling`). A budget is a guarantee, never a hint:
 the step runs only where its compiled peak fits, else :class:`BudgetError`. When the budget
-search (:mod:`jaxmem.planning.budget`) cannot meet it, :func:`builtin_within` tries JAX's
-built-in policies (:data:`BUILTIN_POLICIES`) on the loss, around each block and around the
-whole loss, and runs the one with the fewest FLOPs that fits; the one that saves least,
-``nothing_saveable`` per block, is compiled first, and where it compiles far above the
-budget the others are not compiled (:data:`FIRST_BUILTIN`, :data:`BUILTIN_SPREAD`; a step with
-no blocks: :data:`WHOLE_SPREAD`). A step
-with nothing to plan (no backward pass at the top level, or ``strategy="none"``) runs as the
-plain step, or with its loop and shard_map bodies planned, when that fits
-(:func:`unplanned_budget`).
+search (:mod:`jaxmem.planning.budget`) cannot meet it, :func:`candidates_within` tries the
+automatic mode's own candidates (what ``optimize`` without a budget picks from), then
+:func:`builtin_within` JAX's built-in policies (:data:`BUILTIN_POLICIES`) on the loss,
+around each block and around the whole loss, and runs the one with the fewest FLOPs that
+fits; the one that saves least, ``nothing_saveable`` per block, is compiled first, and
+where it compiles far above the budget the others are not compiled (:data:`FIRST_BUILTIN`,
+:data:`BUILTIN_SPREAD`; a step with no blocks: :data:`WHOLE_SPREAD`). A step with nothing
+to plan (no backward pass at the top level, or ``strategy="none"``) runs as the plain step,
+or with its loop and shard_map bodies planned, when that fits (:func:`unplanned_budget`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from jaxmem.analyzing.analysis import Analysis
 from jaxmem.compiling.steps import Step, read
 from jaxmem.planning import strategies
 from jaxmem.planning.budget import BudgetError, resolve_budget
+from jaxmem.planning.budget.ranked_blocks import rewritten_rules_out
+from jaxmem.planning.budget.units import TooLargeToCompile
 from jaxmem.planning.plan import Plan
 from jaxmem.tracing.program import backward_in_units
 from jaxmem.xla import measure
@@ -55,6 +57,56 @@ BUILTIN_SPREAD = 0.10
 #: size on CPU: 416.6 against 485.8 KiB), and up to 53% above it (the zoo GPT at bench size
 #: on the H100 target): 25% above the budget leaves the second no room to fit.
 WHOLE_SPREAD = 0.25
+
+
+#: The most of the automatic mode's candidates :func:`candidates_within` compiles.
+CANDIDATE_COMPILES = 2
+
+
+def candidates_within(error: BudgetError, analysis: Analysis, step: Step, options: Any,
+                      compiles: Any) -> tuple[tuple[Plan, Any] | None, BudgetError]:
+    """A budget the search missed, tried with the automatic mode's candidates
+    (:func:`~jaxmem.planning.strategies.auto_candidates`: what ``optimize`` picks from
+    without a budget), which the search's own plans do not include: its block plans
+    re-create every value of a block, these keep the heavy outputs (``blocks(...,
+    heavy kept)``, ``selective``). On transformers' ResNet18 (bench size, H100 target)
+    ``selective(depth=5)`` compiles to 167.94 MiB where the search reached 183.57, so a
+    budget between the two raised :class:`BudgetError` though ``optimize()`` fits it.
+
+    Ranked by the peak the liveness model predicts for each rewritten step
+    (``compiles.rewritten``, :class:`~jaxmem.compiling.plan_step._Compiles`), those not
+    ruled out by :data:`~jaxmem.planning.budget.ranked_blocks.REWRITTEN_OVER` are compiled
+    lowest first, at most :data:`CANDIDATE_COMPILES`, until one fits: that one and its
+    executable, and ``error``; else None and ``error`` with its minimum lowered to the
+    lowest of them (and saying so) where they went lower."""
+    requested = error.requested_bytes
+    plans = strategies.auto_candidates(
+        analysis, max_recompute_fraction=options.max_recompute_fraction)
+    ranked = sorted((r, k, p) for k, p in enumerate(plans)
+                    if (r := compiles.rewritten(p)) is not None
+                    and not rewritten_rules_out(r, requested))
+    lowest, tried = error.minimum_bytes, []
+    for _, _, p in ranked[:CANDIDATE_COMPILES]:
+        p = dataclasses.replace(p, donated=step.donated)
+        try:
+            fig = compiles.plan(p)
+        except TooLargeToCompile:
+            continue
+        lowest = min(lowest, fig.peak)
+        tried.append(f"{p.strategy} {fmt_bytes(fig.peak)}")
+        if fig.peak <= requested:
+            note = (f"jaxmem's budget search reached {fmt_bytes(error.minimum_bytes)}, "
+                    f"above the budget {fmt_bytes(requested)}; the automatic mode's "
+                    f"candidate {p.strategy} (its rewritten step predicted lowest) compiled "
+                    f"to {fmt_bytes(fig.peak)}")
+            plan = dataclasses.replace(p, strategy=f"budget: {p.strategy}", budget=requested,
+                                       notes=(*p.notes, note))
+            return (plan.with_figures(fig, compiles.plain()), compiles.exe_for(p)), error
+    if lowest < error.minimum_bytes:
+        error = BudgetError(
+            f"{error} The automatic mode's candidates predicted lowest compiled to "
+            f"{', '.join(tried)}.", requested, lowest)
+    return None, error
 
 
 def builtin_within(error: BudgetError, analysis: Analysis, step: Step,

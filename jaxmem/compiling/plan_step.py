@@ -23,7 +23,12 @@ from jaxmem.analyzing.losses import logits_notes
 from jaxmem.analyzing.tags import offload_tagged
 from jaxmem.compiling import background, choose, plan_cache, predicted
 from jaxmem.compiling.background import first_to_run
-from jaxmem.compiling.builtin_fallbacks import builtin_within, unplanned_budget, why_unplanned
+from jaxmem.compiling.builtin_fallbacks import (
+    builtin_within,
+    candidates_within,
+    unplanned_budget,
+    why_unplanned,
+)
 from jaxmem.compiling.offload_verify import device_peak, verified_offload
 from jaxmem.compiling.options import Options
 from jaxmem.compiling.signature import profile_of
@@ -323,6 +328,9 @@ def _within_budget(options: Options, analysis: Analysis, step: Step, auto: Plan,
     except BudgetError as e:
         if options.offload_state is not False:
             raise
+        found, e = candidates_within(e, analysis, step, options, compiles[0])
+        if found is not None:
+            return (*found, 0)
         plan, compiled = builtin_within(e, analysis, step, compiles[0].plain)
         return plan, compiled, 0
     plan = dataclasses.replace(plan, donated=step.donated,
