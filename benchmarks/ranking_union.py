@@ -17,7 +17,8 @@ and says, per step, how far above the best compiled plan the best of each first 
   others where it is more than :data:`~jaxmem.compiling.predicted.REWRITTEN_OVERRULES`
   below those; in a crowd (:data:`~jaxmem.compiling.predicted.CROWD`), less the model's
   plans whose rewritten step is more than
-  :data:`~jaxmem.compiling.predicted.REWRITTEN_DEFERS` above that lowest; its column is also
+  :data:`~jaxmem.compiling.predicted.REWRITTEN_DEFERS` above that lowest, and less that
+  lowest where one of the model's plans is left; its column is also
   against every compiled candidate, the built-ins and the plain step included (``all``).
 
 Run::
@@ -71,7 +72,8 @@ def default(rows: list[dict[str, Any]], target: str = "cpu",
     ``REWRITTEN_OVERRULES`` below them; where more than ``CROWD`` are within
     ``REWRITTEN_WITHIN`` and the plain step's prediction ``plain_pred`` is trusted
     (``plain_bound``), less the model's rows predicted (rewritten) more than
-    ``REWRITTEN_DEFERS`` above the lowest of those."""
+    ``REWRITTEN_DEFERS`` above the lowest of those, and less that lowest where one of the
+    model's rows is left (it compiles alone)."""
     tied = first(rows, "model", 1)
     if not tied:
         return []
@@ -92,6 +94,8 @@ def default(rows: list[dict[str, Any]], target: str = "cpu",
         lo = best[0]["rewritten"] * (1 + REWRITTEN_DEFERS)
         tied = [r for r in tied if r is best[0] or r.get("rewritten") is None
                 or r["rewritten"] <= lo]
+        if any(r is not best[0] for r in tied):   # the model's choice stands: alone
+            return tied
     return list({id(r): r for r in tied + best}.values())
 
 
