@@ -40,13 +40,14 @@ class _Model:
 def _run(monkeypatch, compiled: dict[str, int], plain_predicted: int = 100,
          plain: int = 100, predictions=(40, 10, 30, 20), rewritten=None,
          min_bytes: int = 0, within: float = 10.0, platform: str = "cpu",
-         too_large: frozenset[str] = frozenset(), crowd: int = 99):
+         too_large: frozenset[str] = frozenset(), crowd: int = 99, growth=None):
     """``predicted.predicted`` over four candidates (predicted 40, 10, 30, 20) with
     synthetic compiled peaks: what was compiled, in order (a group compiled together
     joined by "+"), and what runs. ``within``: ``REWRITTEN_WITHIN`` (default: every
     candidate's rewritten step analysed); ``too_large``: the candidates whose rewrite is
     over ``MAX_REWRITE_GROWTH`` (the reasons the plan's notes get are in ``_run.skipped``);
-    ``crowd``: ``CROWD`` (default: no crowd)."""
+    ``crowd``: ``CROWD`` (default: no crowd); ``growth``: each rewrite's equations over the
+    step's (default 1.2)."""
     order: list[str] = []
     events: list[str] = []  # compiles started and rewritten steps analysed, in order
     cands = [Candidate(SimpleNamespace(strategy=n, recompute=p, offload=(), notes=(),
@@ -101,6 +102,8 @@ def _run(monkeypatch, compiled: dict[str, int], plain_predicted: int = 100,
     monkeypatch.setattr(predicted, "_Compiles", Compiles)
     monkeypatch.setattr(predicted, "_plain", compile_plain)
     monkeypatch.setattr(choose, "rewritten_program", lambda c, step: c.plan.strategy)
+    monkeypatch.setattr(choose, "rewrite_growth", lambda step, program: (
+        (growth or {}).get(program, 1.2)))
     monkeypatch.setattr(choose, "rewrite_too_large", lambda c, step, program=None: (
         "too large (test)" if c.plan.strategy in too_large else None))
     _run.skipped = []
@@ -248,6 +251,35 @@ def test_the_first_group_compiles_while_the_rewritten_steps_are_analysed(monkeyp
     assert events[:2] == ["started b", "started d"], events
     assert events.index("started a") > max(i for i, e in enumerate(events)
                                            if e.startswith("analysed")), events
+
+
+def test_a_large_first_choice_waits_for_the_rewritten_steps(monkeypatch):
+    """``LARGE_REWRITE``: where the model's first choice rewrites to more than that times
+    the step's equations (MEDL's region plan of the lm1b-width decoder, 1.68x: 64.5 s to
+    compile beside selective's 26.6 s), it is not compiled before every rewritten step is
+    analysed; one the liveness model puts more than ``REWRITTEN_DEFERS`` above the
+    rewritten lowest (here the far one that overrules it) then compiles only where that
+    one does not pass."""
+    kw = dict(predictions=(40, 10, 30, 20), within=0.10,
+              rewritten=dict(a=90, b=70, c=60, d=66))
+    # small: b compiles before the analyses, c (overruling) joins it, as before
+    order, _ = _run(monkeypatch, dict(a=60, b=80, c=70, d=75), **kw)
+    assert _run.events[0] == "started b" and order == ["b+c"], (_run.events, order)
+    # large: nothing starts before the analyses; c alone, b never compiled
+    order, ((name, _, _), _) = _run(monkeypatch, dict(a=60, b=80, c=70, d=75),
+                                    growth=dict(b=1.7), **kw)
+    events = _run.events
+    assert events.index("started c") > max(i for i, e in enumerate(events)
+                                           if e.startswith("analysed")), events
+    assert order == ["c"] and name == "c" and "started b" not in events
+    # c above plain: b is compiled next
+    order, ((name, _, _), _) = _run(monkeypatch, dict(a=60, b=80, c=120, d=75),
+                                    growth=dict(b=1.7), **kw)
+    assert order == ["c", "plain", "b"] and name == "b"
+    # large, not overruled: b alone, after the analyses
+    order, _ = _run(monkeypatch, dict(a=60, b=70, c=70, d=75), growth=dict(b=1.7),
+                    **{**kw, "rewritten": dict(a=90, b=60, c=59, d=66)})
+    assert order == ["b"] and _run.events[-1] == "started b", _run.events
 
 
 def test_in_a_crowd_the_rewritten_steps_rank_the_models_choice_before_it_compiles(

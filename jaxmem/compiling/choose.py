@@ -135,6 +135,15 @@ def rewrite_too_large(cand: Candidate, step: Step, program: Program | None = Non
         return None
 
 
+def rewrite_growth(step: Step, program: Program) -> float:
+    """``program``'s equations (:func:`~jaxmem.compiling.steps.program_equations`) over
+    ``step``'s; 0.0 where they cannot be counted."""
+    try:
+        return program_equations(program) / max(len(step.program.nodes), 1)
+    except Exception:  # noqa: BLE001 - a hint for the order of compiles only
+        return 0.0
+
+
 def rewritten_program(cand: Candidate, step: Step) -> Program:
     """``cand``'s program as compiled, for the analysis: a rewrite's built without tracing
     it (:meth:`Step.rewritten`), another's (a built-in policy) traced. Raises what the

@@ -47,9 +47,10 @@ from typing import Any
 
 from jaxmem.analyzing.analysis import Analysis
 from jaxmem.analyzing.costmodel import CostModel
-from jaxmem.compiling import choose, quick_compile
+from jaxmem.compiling import quick_compile
 from jaxmem.compiling.choose import TOP, Candidate, rewrite_candidates
 from jaxmem.compiling.options import Options
+from jaxmem.compiling.rewritten_peaks import RewrittenPeaks as _RewrittenPeaks
 from jaxmem.compiling.steps import Step, read
 from jaxmem.planning import strategies
 from jaxmem.planning.plan import Plan
@@ -157,6 +158,21 @@ CROWD = 3
 REWRITTEN_DEFERS = 0.02
 
 
+#: A first choice of the cost model whose rewrite has more than this many times the step's
+#: equations is not compiled before the other candidates' rewritten steps are analysed,
+#: as in a crowd (:data:`CROWD`): XLA's compile time grows faster than the program, and a
+#: large plan the liveness model puts more than :data:`REWRITTEN_DEFERS` above another is
+#: not compiled first. MEDL's region plan of the lm1b-width GPT-2 decoder
+#: (``corpus:tx_gpt2_ts`` at ``lm1b``, H100 target) is 1.68x the step and compiled in 64.5 s
+#: beside ``selective(depth=4)`` (1.29x, 26.6 s, 9.3% lower in the liveness model and the
+#: lower compiled, 903.60 MiB against 999.83); on GPT-2 small the same plan is 1.90x and
+#: compiled 5.65x slower than the plain step (``benchmarks/results/compile_phases-h100-
+#: corpus-tx_gpt2_ts-bench-plans-builtins.md``). The other candidates of the zoo and corpus
+#: steps measured are 1.2x to 1.45x (the zoo GPT's and Llama's MEDL plans 1.83x and 1.75x,
+#: equinox's BatchNorm CNN's 1.90x: :meth:`.rewritten_peaks.RewrittenPeaks.growth`).
+LARGE_REWRITE = 1.5
+
+
 def plain_bound(plain_pred: int, platform: str) -> float | None:
     """How far below the plain step's predicted peak ``plain_pred`` a compiled plan must be
     to be kept without compiling the plain step (:data:`PLAIN_ERROR`); ``None`` where the
@@ -195,12 +211,14 @@ def predicted(plan: Plan, analysis: Analysis, step: Step, options: Options
         groups = _split_tie(groups, peaks)
     first = groups[0] if groups else []
     crowd = bound is not None and len(_near(pred)) > CROWD
+    wait = crowd or any(peaks.growth(i) > LARGE_REWRITE for i in first)
     later: list[int] = []   # of the model's first group, compiled after the first compiles
     with _Compiles(step) as compiles:
         # The cost model's first group compiles while the rewritten steps are traced and
         # analysed (Python; XLA's compile does not hold the GIL); in a crowd, after the
-        # crowd's rewritten steps have ranked it (CROWD).
-        if not crowd:
+        # crowd's rewritten steps have ranked it (CROWD); a large one after them all
+        # (LARGE_REWRITE).
+        if not wait:
             compiles.start([cands[i] for i in first])
         if bound is None:  # the check needs the plain step's compiled peak: start it too
             compiles.start_plain()
@@ -209,7 +227,7 @@ def predicted(plan: Plan, analysis: Analysis, step: Step, options: Options
             # the rewritten lowest of the plans near the model's lowest starts compiling
             # before the others are traced; the plain step too where the first compiles are
             # all predicted to miss the predicted check (their figures do not decide it)
-            if crowd:
+            if wait:
                 later.extend(_behind(first, best, peaks))
                 if any(i not in later and i not in best for i in first):
                     # the model's choice stands (within REWRITTEN_DEFERS): it compiles
@@ -220,8 +238,8 @@ def predicted(plan: Plan, analysis: Analysis, step: Step, options: Options
             if bar is not None and _short_of(now, peaks, bar):
                 compiles.start_plain()
 
-        groups = _later(_first_with(groups, _rewritten_best(pred, peaks, first, near_best)),
-                        later)
+        groups = _later(_first_with(groups, _rewritten_best(
+            pred, peaks, first, near_best, every=wait and not crowd)), later)
         for group in groups:
             group = [i for i in group if not peaks.too_large(i)]
             if not group:
@@ -324,70 +342,29 @@ def _sized(pred: list[int], top: int, peaks: _RewrittenPeaks) -> list[int]:
     return fit
 
 
-class _RewrittenPeaks:
-    """Each candidate's rewritten step, built when first asked for
-    (:func:`.choose.rewritten_program`: without tracing it): whether it is too large to
-    compile (:func:`.choose.rewrite_too_large`; :attr:`skipped` says why), and the peak
-    the liveness model predicts for it (:func:`.choose.rewritten_peak`; None for one too
-    large, or that cannot be built or traced here). Only the figures are kept, and a
-    program sized until its peak is read."""
-
-    def __init__(self, cands: list[Candidate], step: Step, platform: str):
-        self.cands, self.step, self.platform = cands, step, platform
-        self.sizes: dict[int, str | None] = {}
-        self.known: dict[int, int | None] = {}
-        self.skipped: list[str] = []
-        self._held: dict[int, Any] = {}   # programs sized whose peak is not read yet
-
-    def _program(self, i: int) -> Any:
-        """Candidate ``i``'s rewritten program (None where it cannot be built or traced
-        here), held from its sizing until its peak is read (both from one build)."""
-        if i not in self._held:
-            try:
-                self._held[i] = choose.rewritten_program(self.cands[i], self.step)
-            except Exception:  # noqa: BLE001 - not ranked; compiled as before (it says why)
-                self._held[i] = None
-        return self._held[i]
-
-    def too_large(self, i: int) -> bool:
-        if i not in self.sizes:
-            program = self._program(i)
-            why = None if program is None else \
-                choose.rewrite_too_large(self.cands[i], self.step, program)
-            if why is not None:
-                self.skipped.append(f"{self.cands[i].plan.strategy}: {why}")
-                self._held.pop(i)   # never analysed
-            self.sizes[i] = why
-        return self.sizes[i] is not None
-
-    def __call__(self, i: int) -> int | None:
-        if i not in self.known:
-            program = None if self.too_large(i) else self._program(i)
-            self.known[i] = None if program is None else choose.rewritten_peak(
-                self.cands[i], self.step, self.platform, program)
-            self._held.pop(i, None)   # its figures are known: not held
-        return self.known[i]
-
-
 def _rewritten_best(pred: list[int], peaks: _RewrittenPeaks, first: list[int],
-                    near_best: Callable[[list[int]], None] | None = None) -> list[int]:
+                    near_best: Callable[[list[int]], None] | None = None,
+                    every: bool = False) -> list[int]:
     """The candidates the rewritten steps' liveness adds to the cost model's ``first``:
     :func:`.choose.rewritten_best` among the candidates the model predicts within
     :data:`REWRITTEN_WITHIN` of its lowest (handed to ``near_best`` as soon as it is
-    known); and the rewritten lowest of the others (each rewritten step traced and
-    analysed after the near ones, while the first group compiles), where it is predicted
-    more than :data:`REWRITTEN_OVERRULES` below every one of those."""
+    known; ``every``: once the others are analysed too); and the rewritten lowest of the
+    others (each rewritten step traced and analysed after the near ones, while the first
+    group compiles), where it is predicted more than :data:`REWRITTEN_OVERRULES` below
+    every one of those."""
     if not pred:
         return []
     near = _near(pred)
     known = [(p, i) for i in near if (p := peaks(i)) is not None]
     out = [min(known)[1]] if known else []
-    if near_best is not None:
+    if near_best is not None and not every:
         near_best(out)
     ours = [p for i in dict.fromkeys(first + out) if (p := peaks(i)) is not None]
     far = [(p, i) for i in range(len(pred)) if i not in near and (p := peaks(i)) is not None]
     if ours and far and min(far)[0] < min(ours) * (1 - REWRITTEN_OVERRULES):
         out.append(min(far)[1])
+    if near_best is not None and every:
+        near_best(out)
     return out
 
 
@@ -401,11 +378,12 @@ def _behind(first: list[int], best: list[int], peaks: _RewrittenPeaks) -> list[i
     """The plans of the model's ``first`` group whose rewritten step is predicted more than
     :data:`REWRITTEN_DEFERS` above that of ``best`` (the rewritten lowest near the model's
     lowest): compiled after the first compiles (:data:`CROWD`)."""
-    known = [p for i in best if (p := peaks(i)) is not None]
+    known = [(p, i) for i in best if (p := peaks(i)) is not None]
     if not known:
         return []
-    return [i for i in first if i not in best and (p := peaks(i)) is not None
-            and p > min(known) * (1 + REWRITTEN_DEFERS)]
+    low, lowest = min(known)
+    return [i for i in first if i != lowest and (p := peaks(i)) is not None
+            and p > low * (1 + REWRITTEN_DEFERS)]
 
 
 def _later(groups: list[list[int]], later: list[int]) -> list[list[int]]:

@@ -1,0 +1,67 @@
+"""Each candidate's rewritten step built once and sized, and the peak the liveness model
+predicts for it: what ``verify=True`` (:mod:`.predicted`) ranks candidates by beside the
+cost model. Part of the fifth box (:mod:`jaxmem.compiling`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxmem.compiling import choose
+from jaxmem.compiling.choose import Candidate
+from jaxmem.compiling.steps import Step
+
+__all__ = ["RewrittenPeaks"]
+
+
+class RewrittenPeaks:
+    """Each candidate's rewritten step, built when first asked for
+    (:func:`.choose.rewritten_program`: without tracing it): whether it is too large to
+    compile (:func:`.choose.rewrite_too_large`; :attr:`skipped` says why), and the peak
+    the liveness model predicts for it (:func:`.choose.rewritten_peak`; None for one too
+    large, or that cannot be built or traced here). Only the figures are kept, and a
+    program sized until its peak is read."""
+
+    def __init__(self, cands: list[Candidate], step: Step, platform: str):
+        self.cands, self.step, self.platform = cands, step, platform
+        self.sizes: dict[int, str | None] = {}
+        self._growth: dict[int, float] = {}   # equations over the step's, where built
+        self.known: dict[int, int | None] = {}
+        self.skipped: list[str] = []
+        self._held: dict[int, Any] = {}   # programs sized whose peak is not read yet
+
+    def _program(self, i: int) -> Any:
+        """Candidate ``i``'s rewritten program (None where it cannot be built or traced
+        here), held from its sizing until its peak is read (both from one build)."""
+        if i not in self._held:
+            try:
+                self._held[i] = choose.rewritten_program(self.cands[i], self.step)
+            except Exception:  # noqa: BLE001 - not ranked; compiled as before (it says why)
+                self._held[i] = None
+        return self._held[i]
+
+    def growth(self, i: int) -> float:
+        """Candidate ``i``'s rewritten program's equations over the step's (0.0 where it
+        cannot be built here)."""
+        self.too_large(i)
+        return self._growth.get(i, 0.0)
+
+    def too_large(self, i: int) -> bool:
+        if i not in self.sizes:
+            program = self._program(i)
+            why = None if program is None else \
+                choose.rewrite_too_large(self.cands[i], self.step, program)
+            if program is not None:
+                self._growth[i] = choose.rewrite_growth(self.step, program)
+            if why is not None:
+                self.skipped.append(f"{self.cands[i].plan.strategy}: {why}")
+                self._held.pop(i)   # never analysed
+            self.sizes[i] = why
+        return self.sizes[i] is not None
+
+    def __call__(self, i: int) -> int | None:
+        if i not in self.known:
+            program = None if self.too_large(i) else self._program(i)
+            self.known[i] = None if program is None else choose.rewritten_peak(
+                self.cands[i], self.step, self.platform, program)
+            self._held.pop(i, None)   # its figures are known: not held
+        return self.known[i]
