@@ -77,8 +77,8 @@ def candidates_within(error: BudgetError, analysis: Analysis, step: Step, option
     (``compiles.rewritten``, :class:`~jaxmem.compiling.plan_step._Compiles`), those not
     ruled out by :data:`~jaxmem.planning.budget.ranked_blocks.REWRITTEN_OVER` are compiled
     lowest first, at most :data:`CANDIDATE_COMPILES`, until one fits: that one and its
-    executable, and ``error``; else None and ``error`` with its minimum lowered to the
-    lowest of them (and saying so) where they went lower."""
+    executable, and ``error``; else None and ``error`` naming those compiled, its minimum
+    the lowest peak either way."""
     requested = error.requested_bytes
     plans = strategies.auto_candidates(
         analysis, max_recompute_fraction=options.max_recompute_fraction)
@@ -102,7 +102,7 @@ def candidates_within(error: BudgetError, analysis: Analysis, step: Step, option
             plan = dataclasses.replace(p, strategy=f"budget: {p.strategy}", budget=requested,
                                        notes=(*p.notes, note))
             return (plan.with_figures(fig, compiles.plain()), compiles.exe_for(p)), error
-    if lowest < error.minimum_bytes:
+    if tried:
         error = BudgetError(
             f"{error} The automatic mode's candidates predicted lowest compiled to "
             f"{', '.join(tried)}.", requested, lowest)
