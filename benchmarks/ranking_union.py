@@ -20,6 +20,10 @@ and says, per step, how far above the best compiled plan the best of each first 
   :data:`~jaxmem.compiling.predicted.REWRITTEN_DEFERS` above that lowest, and less that
   lowest where one of the model's plans is left; its column is also
   against every compiled candidate, the built-ins and the plain step included (``all``).
+  :data:`~jaxmem.compiling.predicted.LARGE_REWRITE` is not replicated: the files do not
+  store the rewrites' sizes (it applies only where the model's first choice, outside a
+  crowd, rewrites to over 1.5x the step's equations, as MEDL's region plans do on
+  decoders; it was measured on the lm1b-width decoder, which is not among the files).
 
 Run::
 
