@@ -244,7 +244,8 @@ def test_candidates_that_miss_lower_the_errors_minimum(monkeypatch):
     counted.clear()
     with pytest.raises(jaxmem.BudgetError) as e:
         jaxmem.optimize(w.step, donate_argnums=0, budget=1000).plan(*w.args)
-    assert "candidates" not in str(e.value) and e.value.minimum_bytes == 10**9
+    assert "candidates were not compiled" in str(e.value), str(e.value)
+    assert e.value.minimum_bytes == 10**9
     assert len(counted) <= 1                        # the plain step's, nothing else
 
 

@@ -23,7 +23,7 @@ from jaxmem.analyzing.analysis import Analysis
 from jaxmem.compiling.steps import Step, read
 from jaxmem.planning import strategies
 from jaxmem.planning.budget import BudgetError, resolve_budget
-from jaxmem.planning.budget.ranked_blocks import rewritten_rules_out
+from jaxmem.planning.budget.ranked_blocks import REWRITTEN_OVER, rewritten_rules_out
 from jaxmem.planning.budget.units import TooLargeToCompile
 from jaxmem.planning.plan import Plan
 from jaxmem.tracing.program import backward_in_units
@@ -82,9 +82,16 @@ def candidates_within(error: BudgetError, analysis: Analysis, step: Step, option
     requested = error.requested_bytes
     plans = strategies.auto_candidates(
         analysis, max_recompute_fraction=options.max_recompute_fraction)
-    ranked = sorted((r, k, p) for k, p in enumerate(plans)
-                    if (r := compiles.rewritten(p)) is not None
-                    and not rewritten_rules_out(r, requested))
+    known = sorted((r, k, p) for k, p in enumerate(plans)
+                   if (r := compiles.rewritten(p)) is not None)
+    ranked = [t for t in known if not rewritten_rules_out(t[0], requested)]
+    if known and not ranked:   # none may fit: not compiled, but said (the minimum is a
+        # compiled figure, and one of these may compile below it)
+        r, _, p = known[0]
+        return None, BudgetError(
+            f"{error} The automatic mode's candidates were not compiled: the lowest, "
+            f"{p.strategy}, predicted at {fmt_bytes(r)} (over "
+            f"{REWRITTEN_OVER}x the budget).", requested, error.minimum_bytes)
     lowest, tried = error.minimum_bytes, []
     for _, _, p in ranked[:CANDIDATE_COMPILES]:
         p = dataclasses.replace(p, donated=step.donated)
