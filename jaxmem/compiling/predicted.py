@@ -13,7 +13,9 @@ plan whose rewritten step's liveness is predicted lowest (among those the model 
 within :data:`REWRITTEN_WITHIN` of its lowest) is compiled with the first group; where
 more than :data:`CROWD` are that near on a step whose plain prediction the model trusts,
 those rewritten steps are analysed first and rank the model's own choice (it compiles
-first only within :data:`REWRITTEN_DEFERS` of their lowest).
+first only within :data:`REWRITTEN_DEFERS` of their lowest, and then alone); a first
+choice whose rewrite is over :data:`LARGE_REWRITE` times the step's equations waits for
+every rewritten step in the same way.
 The first that passes runs:
 
 - below the plain step's **predicted** peak (:attr:`Analysis.peak_bytes`) by more than
