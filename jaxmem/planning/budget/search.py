@@ -50,7 +50,7 @@ from jaxmem.planning.budget.ranked_blocks import ranked_block_plan
 from jaxmem.planning.budget.solvers import greedy
 from jaxmem.planning.budget.solving import Solved, Solving, solve
 from jaxmem.planning.budget.tries import Candidate, Tries
-from jaxmem.planning.budget.units import Budget, BudgetError, resolve_budget
+from jaxmem.planning.budget.units import Budget, BudgetError, TooLargeToCompile, resolve_budget
 from jaxmem.planning.cost_model_plans import plan_from_sets, plan_segments
 from jaxmem.planning.medl import plan_none
 from jaxmem.planning.plan import Plan
@@ -148,14 +148,8 @@ class _Search:
             # step when offloading them does not lower the peak): the budget comes first
             return outcome.tags_not_applied(self.basis, self.forced,
                                             [c.peak for c in self.tries.tried.values()])
-        if (best is None and self.lowest_skipped is not None and compiled
-                and self._may_go_lower(*self.lowest_skipped)):
-            # nothing fits: greedy's lowest plan, ruled out by prediction, is compiled so
-            # that the error's minimum is the lowest peak jaxmem reaches, not the lowest of
-            # the few plans a ranked search compiled
-            self.basis.notes.append("greedy's lowest plan compiled after all, for the "
-                                    "lowest peak reached")
-            cand = self.tries.check(*self.lowest_skipped, "greedy (lowest)", self.requested)
+        if best is None and compiled:   # nothing fits: compiled for the lowest peak reached
+            cand = _lowest_reached(self, blk)
             if cand is not None and cand.peak <= self.requested:
                 return outcome.finish_best(self.basis, cand, self.tries.compiles)
         if best is None:
@@ -204,23 +198,6 @@ class _Search:
             f"than {why}")
         return True
 
-    def _may_go_lower(self, drop: frozenset[int], off: frozenset[int]) -> bool:
-        """Whether ``(drop, off)`` may compile below the lowest peak the search reached:
-        its prediction, scaled by the smallest miss (compiled over predicted peak) of the
-        plans this search compiled, is below it (no miss yet: it may). The zoo Llama at
-        bench size, H100 target, budget 0.5: greedy's lowest plan was predicted at 84.1
-        MiB, the search's one miss was 1.52x, a block plan had reached 105.9 MiB; it
-        compiled to 143.9 MiB (18.6 s of the search's 60)."""
-        miss = min(self.tries.misses, default=None)
-        pred = self.model.evaluate(drop, off).peak
-        if miss is None or pred * miss < self.tries.lowest:
-            return True
-        self.basis.notes.append(
-            f"greedy's lowest plan not compiled: predicted {fmt_bytes(pred)}, "
-            f"{fmt_bytes(pred * miss)} at this search's smallest miss ({miss:.2f}x), not "
-            f"below the lowest peak reached ({fmt_bytes(self.tries.lowest)})")
-        return False
-
     def _blocks_first(self, d: frozenset[int], o: frozenset[int], source: str) -> bool:
         """Whether the block plans, tried (once) before the solver's plan ``(d, o)`` where
         its rewritten step is predicted over the budget, found one that fits (module doc,
@@ -242,7 +219,7 @@ class _Search:
         if self.ranked:
             return ranked_block_plan(self.model, self.analysis, self.requested,
                                      self.compile_plan, ratio=self.tries.ratio(),
-                                     rewritten=self.rewritten)
+                                     rewritten=self.rewritten, rival=_greedy_lowest_rewritten(self))
         return best_block_plan(self.analysis, self.requested, self.compile_plan)
 
     def _stages(self) -> Iterator[str]:
@@ -309,6 +286,59 @@ class _Search:
             return d, o, "greedy (lowest)"
         segs = plan_segments(self.analysis, profile=self.model.profile)
         return segs.recompute, frozenset(), "segments"
+
+
+def _lowest_reached(s: _Search, blk: Found | None) -> Candidate | None:
+    """Nothing fits: greedy's lowest plan, ruled out by prediction, compiled so that the
+    error's minimum is the lowest peak jaxmem reaches, not the lowest of the few plans a
+    ranked search compiled (where it may go lower, :func:`_may_go_lower`); the block plan
+    the ranked block search left for the lowest peak (:attr:`Found.deferred`, greedy's
+    lowest predicted lower) compiled where greedy's lowest was not. Greedy's candidate, or
+    None."""
+    cand = None
+    if s.lowest_skipped is not None and _may_go_lower(s, *s.lowest_skipped):
+        s.basis.notes.append("greedy's lowest plan compiled after all, for the lowest peak "
+                             "reached")
+        cand = s.tries.check(*s.lowest_skipped, "greedy (lowest)", s.requested)
+    if cand is None and blk is not None and blk.deferred is not None:
+        depth, p = blk.deferred
+        debug(f"(blocks, depth {depth}, {p.strategy}): compiled for the lowest peak reached")
+        try:
+            fig = s.compile_plan(p)
+        except TooLargeToCompile:
+            return None
+        s.tries.add(Found(None, None, 1, s.device_peak(p, fig)[0]))
+    return cand
+
+
+def _may_go_lower(s: _Search, drop: frozenset[int], off: frozenset[int]) -> bool:
+    """Whether ``(drop, off)`` may compile below the lowest peak the search ``s`` reached:
+    its prediction, scaled by the smallest miss (compiled over predicted peak) of the
+    plans this search compiled, is below it (no miss yet: it may). The zoo Llama at
+    bench size, H100 target, budget 0.5: greedy's lowest plan was predicted at 84.1
+    MiB, the search's one miss was 1.52x, a block plan had reached 105.9 MiB; it
+    compiled to 143.9 MiB (18.6 s of the search's 60)."""
+    miss = min(s.tries.misses, default=None)
+    pred = s.model.evaluate(drop, off).peak
+    if miss is None or pred * miss < s.tries.lowest:
+        return True
+    s.basis.notes.append(
+        f"greedy's lowest plan not compiled: predicted {fmt_bytes(pred)}, "
+        f"{fmt_bytes(pred * miss)} at this search's smallest miss ({miss:.2f}x), not "
+        f"below the lowest peak reached ({fmt_bytes(s.tries.lowest)})")
+    return False
+
+
+def _greedy_lowest_rewritten(s: _Search) -> int | None:
+    """The peak the liveness model predicts for greedy's lowest plan's rewritten step,
+    where the ranked search ``s`` ruled that plan out (compiled after the block plans
+    should nothing fit); None otherwise. Transformers' ResNet18 (bench size, H100 target,
+    budget 0.5): 152.22 MiB, where the lowest block plan's is 155.72; they compile to
+    183.57 and 198.46 MiB, and the block plan was compiled first, only for the lowest peak
+    reached."""
+    if s.lowest_skipped is None or s.rewritten is None:
+        return None
+    return s.rewritten(plan_from_sets(s.model, *s.lowest_skipped, "budget", "budget"))
 
 
 def plan_with_budget(analysis: Analysis, budget: Any, *, auto: Plan | None = None,
