@@ -102,10 +102,9 @@ def _run(monkeypatch, compiled: dict[str, int], plain_predicted: int = 100,
     monkeypatch.setattr(predicted, "_Compiles", Compiles)
     monkeypatch.setattr(predicted, "_plain", compile_plain)
     monkeypatch.setattr(choose, "rewritten_program", lambda c, step: c.plan.strategy)
-    monkeypatch.setattr(choose, "rewrite_growth", lambda step, program: (
+    monkeypatch.setattr(choose, "rewrite_size", lambda c, step, program=None: (
+        "too large (test)" if c.plan.strategy in too_large else None,
         (growth or {}).get(program, 1.2)))
-    monkeypatch.setattr(choose, "rewrite_too_large", lambda c, step, program=None: (
-        "too large (test)" if c.plan.strategy in too_large else None))
     _run.skipped = []
 
     def kept(plan, fig, base, tried, skipped, check):

@@ -128,20 +128,19 @@ def rewrite_too_large(cand: Candidate, step: Step, program: Program | None = Non
     (:func:`~jaxmem.compiling.steps.too_large`, on its program, :func:`rewritten_program`
     or ``program`` where given); None when it is not, or when it cannot be traced here (its
     compile says why)."""
+    return rewrite_size(cand, step, program)[0]
+
+
+def rewrite_size(cand: Candidate, step: Step, program: Program | None = None
+                 ) -> tuple[str | None, float]:
+    """:func:`rewrite_too_large`, and the rewrite's equations over ``step``'s (0.0 where
+    they cannot be counted here), from one count of its program's equations."""
     try:
         program = rewritten_program(cand, step) if program is None else program
-        return too_many(program_equations(program), len(step.program.nodes))
+        n, of = program_equations(program), len(step.program.nodes)
     except Exception:  # noqa: BLE001 - compiled as before; the compile says why
-        return None
-
-
-def rewrite_growth(step: Step, program: Program) -> float:
-    """``program``'s equations (:func:`~jaxmem.compiling.steps.program_equations`) over
-    ``step``'s; 0.0 where they cannot be counted."""
-    try:
-        return program_equations(program) / max(len(step.program.nodes), 1)
-    except Exception:  # noqa: BLE001 - a hint for the order of compiles only
-        return 0.0
+        return None, 0.0
+    return too_many(n, of), n / max(of, 1)
 
 
 def rewritten_program(cand: Candidate, step: Step) -> Program:

@@ -16,7 +16,7 @@ __all__ = ["RewrittenPeaks"]
 class RewrittenPeaks:
     """Each candidate's rewritten step, built when first asked for
     (:func:`.choose.rewritten_program`: without tracing it): whether it is too large to
-    compile (:func:`.choose.rewrite_too_large`; :attr:`skipped` says why), and the peak
+    compile (:func:`.choose.rewrite_size`; :attr:`skipped` says why), and the peak
     the liveness model predicts for it (:func:`.choose.rewritten_peak`; None for one too
     large, or that cannot be built or traced here). Only the figures are kept, and a
     program sized until its peak is read."""
@@ -48,10 +48,8 @@ class RewrittenPeaks:
     def too_large(self, i: int) -> bool:
         if i not in self.sizes:
             program = self._program(i)
-            why = None if program is None else \
-                choose.rewrite_too_large(self.cands[i], self.step, program)
-            if program is not None:
-                self._growth[i] = choose.rewrite_growth(self.step, program)
+            why, self._growth[i] = ((None, 0.0) if program is None else
+                                    choose.rewrite_size(self.cands[i], self.step, program))
             if why is not None:
                 self.skipped.append(f"{self.cands[i].plan.strategy}: {why}")
                 self._held.pop(i)   # never analysed
