@@ -210,7 +210,8 @@ def test_a_ranked_block_search_compiles_the_cheapest_predicted_fit_first_and_lea
     for rival, compiled in ((over - 1, 0), (over + 1, 1), (None, 1)):
         log = []
         out = ranked_block_plan(model, analysis, budget, compiler(log),
-                                rewritten=lambda p: over, rival=rival)
+                                rewritten=lambda p: over,
+                                rival=None if rival is None else lambda r=rival: r)
         assert len(log) == compiled and out.compiles == compiled, (rival, log)
         assert (out.deferred is not None) == (compiled == 0)
         if out.deferred is not None:

@@ -156,7 +156,7 @@ def ranked_block_plan(model: CostModel, analysis: Analysis, requested: int,
                       compile_plan: Callable[[Plan], Figures], *, ratio: float = 1.0,
                       max_compiles: int = RANKED_BLOCK_COMPILES,
                       rewritten: Callable[[Plan], int | None] | None = None,
-                      rival: int | None = None) -> Found:
+                      rival: Callable[[], int | None] | None = None) -> Found:
     """The block plans of :func:`~jaxmem.planning.budget.fallbacks.block_variants`, ranked
     by the cost model (:func:`~jaxmem.planning.budget.fallbacks.predicted_peak`) instead
     of all compiled: the one with the fewest recompute FLOPs among those predicted to fit
@@ -180,10 +180,10 @@ def ranked_block_plan(model: CostModel, analysis: Analysis, requested: int,
     more than :data:`REWRITTEN_OVER` (not compiled, and the least the model's miss on it
     can be raises ``ratio``; where that rules out every plan compiled, the one with the
     lowest rewritten step is compiled after all, for the lowest peak reached, unless
-    ``rival``, the caller's other plan for the lowest peak, is predicted lower: then it is
-    left to the caller, :attr:`Found.deferred`); the re-save is sized by the re-saved
-    plan's rewritten step (:func:`_resaved_rewritten`). The cost
-    model does not see a block plan's regions re-created side by side and under-predicts
+    ``rival()``, the predicted peak of the caller's other plan for the lowest peak (asked
+    only then), is lower: then it is left to the caller, :attr:`Found.deferred`); the
+    re-save is sized by the re-saved plan's rewritten step (:func:`_resaved_rewritten`). The
+    cost model does not see a block plan's regions re-created side by side and under-predicts
     every one (the H100 target, bench size, 60 block plans of five steps: by 10% to 57%;
     the zoo GPT's 10% to 31%, equinox's BatchNorm CNN's 37% to 57%); the rewritten step's
     liveness is off by -33% to +21% on them (``python -m benchmarks.budget_blocks``,
@@ -253,16 +253,18 @@ def ranked_block_plan(model: CostModel, analysis: Analysis, requested: int,
     return Found(blk2, fig2, n + k, c.lowest)
 
 
-def _for_the_lowest(c: _Checked, rw: _Rewritten, rival: int | None
+def _for_the_lowest(c: _Checked, rw: _Rewritten, rival: Callable[[], int | None] | None
                     ) -> tuple[int, Plan] | None:
     """None fits and none was compiled: the block plan whose rewritten step is predicted
     lowest is, once, so that a BudgetError's minimum is the lowest peak a block plan
     reaches (transformers' GPT-2 small at bench size, H100 target, budget 0.5: every block
     plan ruled out, the error's minimum was the plain step's 2.80 GiB where a block plan
-    reaches 2.10); unless ``rival`` (the caller's other plan for the lowest peak: greedy's
-    lowest) is predicted lower: then ``(depth, plan)`` is returned, for the caller to
-    compile where it does not compile that one."""
+    reaches 2.10); unless ``rival()`` (the predicted peak of the caller's other plan for
+    the lowest peak: greedy's lowest; built and analysed only here) is lower: then
+    ``(depth, plan)`` is returned, for the caller to compile where it does not compile
+    that one."""
     low, depth, p = min(rw.ruled, key=lambda t: (t[0], t[2].recompute_flops))
+    rival = rival() if rival is not None else None
     if rival is not None and rival < low:
         debug(f"(blocks, depth {depth}, {p.strategy}): not compiled for the lowest peak "
               f"reached, its rewritten step predicted {fmt_bytes(low)}, above the rival's "

@@ -219,7 +219,8 @@ class _Search:
         if self.ranked:
             return ranked_block_plan(self.model, self.analysis, self.requested,
                                      self.compile_plan, ratio=self.tries.ratio(),
-                                     rewritten=self.rewritten, rival=_greedy_lowest_rewritten(self))
+                                     rewritten=self.rewritten,
+                                     rival=lambda: _greedy_lowest_rewritten(self))
         return best_block_plan(self.analysis, self.requested, self.compile_plan)
 
     def _stages(self) -> Iterator[str]:
