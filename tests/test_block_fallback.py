@@ -278,11 +278,13 @@ def test_the_marginal_replay_equals_recompute_cost_without_each_value():
     assert checked > 20
 
 
-def test_the_block_plan_left_for_the_lowest_peak_is_compiled_where_greedys_lowest_is_not():
+def test_the_block_plan_left_for_the_lowest_peak_is_compiled_where_greedys_lowest_is_not(
+        monkeypatch):
     """``ranked_block_plan`` leaves its lowest block plan to the search where greedy's
     lowest plan is predicted lower (``Found.deferred``; transformers' ResNet18 at budget 0.5
     on the H100 target: one compile fewer, the same minimum); the search compiles it where
-    it does not compile greedy's lowest (ruled out by its misses, too large, or none)."""
+    it does not compile greedy's lowest (ruled out by its misses, or by its rewritten step
+    at the smallest rewritten miss, too large, or none)."""
     from types import SimpleNamespace
 
     from jaxmem.measure import Figures
@@ -291,7 +293,9 @@ def test_the_block_plan_left_for_the_lowest_peak_is_compiled_where_greedys_lowes
     from jaxmem.planning.budget.fallbacks import Found
     from jaxmem.planning.budget.tries import Candidate
 
-    def fake(lowest_skipped, misses, checked):
+    monkeypatch.setattr(search, "plan_from_sets", lambda *a: SimpleNamespace(strategy="g"))
+
+    def fake(lowest_skipped, misses, checked, rewritten_miss=None, requested=50):
         compiled: list[str] = []
         tries = SimpleNamespace(
             misses=misses, lowest=500, compiles=0,
@@ -299,8 +303,9 @@ def test_the_block_plan_left_for_the_lowest_peak_is_compiled_where_greedys_lowes
             add=lambda f: compiled.append(f"deferred {f.lowest}"))
         model = SimpleNamespace(evaluate=lambda d, o: SimpleNamespace(peak=100))
         s = SimpleNamespace(
-            lowest_skipped=lowest_skipped, tries=tries, model=model, requested=50,
-            basis=SimpleNamespace(notes=[]),
+            lowest_skipped=lowest_skipped, tries=tries, model=model, requested=requested,
+            basis=SimpleNamespace(notes=[]), ranked=True, forced=frozenset(),
+            rewritten=lambda p: 450, rewritten_miss=lambda: rewritten_miss,
             compile_plan=lambda p: Figures(argument=300, output=0, temp=0, alias=0, flops=1.0),
             device_peak=lambda p, fig: (fig.peak, None))
         return s, compiled
@@ -314,10 +319,51 @@ def test_the_block_plan_left_for_the_lowest_peak_is_compiled_where_greedys_lowes
     # greedy's lowest cannot go lower (100 x 6.0 over the 500 reached): the block plan is
     s, compiled = fake(d, [6.0], greedy)
     assert search._lowest_reached(s, blk) is None and compiled == ["deferred 300"]
+    # its rewritten step (450) at the smallest rewritten miss (1.2x) is not below the 500
+    # reached: the block plan is compiled instead (at 1.0x it may go lower: greedy's is)
+    s, compiled = fake(d, [], greedy, rewritten_miss=1.2)
+    assert search._lowest_reached(s, blk) is None and compiled == ["deferred 300"]
+    assert "rewritten step's 450 B" in s.basis.notes[0], s.basis.notes
+    s, compiled = fake(d, [], greedy, rewritten_miss=1.0)
+    assert search._lowest_reached(s, blk) is greedy and compiled == ["greedy (lowest)"]
     # greedy's lowest not compiled (too large: check gives None): the block plan is
     s, compiled = fake(d, [], None)
     assert search._lowest_reached(s, blk) is None
     assert compiled == ["greedy (lowest)", "deferred 300"]
+    # the block plan compiles within the budget after all (ruled out by its rewritten
+    # step, which over-predicted it): it is the answer, not only the minimum
+    s, compiled = fake(d, [6.0], greedy, requested=300)
+    found = search._lowest_reached(s, blk)
+    assert isinstance(found, Found) and found.plan is blk.deferred[1] and found.lowest == 300
     # nothing deferred, no greedy's lowest: nothing compiled
     s, compiled = fake(None, [], greedy)
     assert search._lowest_reached(s, Found(None, None, 0, None)) is None and compiled == []
+
+
+def test_rewritten_over_scales_the_rewritten_step_by_the_searchs_smallest_miss(monkeypatch):
+    """``rewritten_over``: a plan's rewritten step times the smallest compiled over rewritten
+    peak of the plans the search compiled, less ``MISS_SPREAD`` (other kinds of plans miss
+    differently), where that is over the budget; at that miss itself against a ``bar`` (the
+    lowest peak reached); nothing before a plan has compiled, in an unranked search, or
+    with offload tags."""
+    from types import SimpleNamespace
+
+    from jaxmem.planning.budget import search
+    from jaxmem.planning.budget.ranked_blocks import MISS_SPREAD
+
+    monkeypatch.setattr(search, "plan_from_sets", lambda *a: SimpleNamespace(strategy="g"))
+
+    def fake(miss, ranked=True, forced=frozenset()):
+        return SimpleNamespace(requested=80, model=None, ranked=ranked, forced=forced,
+                               compile_plan=lambda p: None, rewritten=lambda p: 90,
+                               rewritten_miss=lambda: miss)
+    d, o = frozenset({1}), frozenset()
+    seen = search.rewritten_over(fake(1.14), d, o)
+    assert seen is not None and seen[0] == int(90 * 1.14 / MISS_SPREAD), seen
+    assert "1.14x" in seen[1]
+    assert search.rewritten_over(fake(1.0), d, o) is None           # 75: within the budget
+    assert search.rewritten_over(fake(1.1), d, o, bar=99) is not None   # at the bar
+    assert search.rewritten_over(fake(1.1), d, o, bar=100) is None
+    assert search.rewritten_over(fake(None), d, o) is None
+    assert search.rewritten_over(fake(1.14, ranked=False), d, o) is None
+    assert search.rewritten_over(fake(1.14, forced=frozenset({3})), d, o) is None

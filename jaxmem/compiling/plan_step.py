@@ -89,6 +89,7 @@ class _Compiles:
         # tracing it again when the search picks it (one held, not one per plan)
         self._traced: tuple[Any, Any] | None = None
         self._peaks: dict[Any, int | None] = {}   # rewrite key -> :meth:`rewritten`'s figure
+        self._misses: list[float] = []   # compiled over rewritten peak, of each plan compiled
         # the plain step compiling in a thread (:meth:`start_plain`): (jitted, arguments,
         # future of its executable)
         self._plain_ahead: tuple[Any, list[Any], concurrent.futures.Future] | None = None
@@ -109,6 +110,8 @@ class _Compiles:
         _check_size(traced.jaxpr, len(self.step.program.nodes))
         exe = measure.compile(traced.lower())
         fig = read(exe, jitted, flat)
+        if self._peaks.get(key):
+            self._misses.append(fig.peak / self._peaks[key])
         others = {k: f for k, (_, f) in self.kept.items() if k != key}
         if not any(_beats(f, fig) for f in others.values()):
             self.kept = {k: v for k, v in self.kept.items() if not _beats(fig, v[1])}
@@ -123,6 +126,11 @@ class _Compiles:
         if key not in self._peaks:
             self._peaks[key] = self._rewritten(key, p)
         return self._peaks[key]
+
+    def rewritten_miss(self) -> float | None:
+        """The smallest compiled over rewritten peak (:meth:`rewritten`) of the plans
+        compiled so far whose rewritten step was predicted; None before any."""
+        return min(self._misses, default=None)
 
     def _rewritten(self, key: Any, p: Plan) -> int | None:
         try:
@@ -310,7 +318,8 @@ def _within_budget(options: Options, analysis: Analysis, step: Step, auto: Plan,
                 compile_plan=plan_cache.progress(_shifted(c.plan, shift), "budget search"),
                 compile_plain=plan_cache.progress(_shifted(c.plain, shift), "budget search"),
                 device_peak=lambda p, fig: device_peak(program, p, fig, step.platform),
-                offload=options.offload, profile=profile, rewritten=c.rewritten)
+                offload=options.offload, profile=profile, rewritten=c.rewritten,
+                rewritten_miss=c.rewritten_miss)
         except BudgetError as e:
             if not shift:
                 raise
@@ -331,7 +340,8 @@ def _within_budget(options: Options, analysis: Analysis, step: Step, auto: Plan,
         found, e = candidates_within(e, analysis, step, options, compiles[0])
         if found is not None:
             return (*found, 0)
-        plan, compiled = builtin_within(e, analysis, step, compiles[0].plain)
+        plan, compiled = builtin_within(e, analysis, step, compiles[0].plain,
+                                        compiles[0].rewritten_miss())
         return plan, compiled, 0
     plan = dataclasses.replace(plan, donated=step.donated,
                                notes=plan.notes + (body.notes if body else ()))
