@@ -146,6 +146,31 @@ def test_greedy_near_exact(depth, batch):
     assert checked == 4
 
 
+def test_greedy_runs_from_one_seed_share_their_moves_and_answer_as_fresh_runs(mlp):
+    """A search asks greedy for several limits from one seed (its aims, its lowest plan);
+    they share one run (``solvers._Trajectory``), whose every answer, in whatever order the
+    limits come, is what a fresh run to that limit gives (the undo pass included, with the
+    evaluations that run would have spent)."""
+    from jaxmem.planning.budget import solvers
+
+    _, _, a = mlp
+    m = CostModel(a, "cpu")
+    full = m.evaluate().peak
+    seed = frozenset(sorted(m.candidates)[:3])
+
+    def fresh(limit, start):
+        g = solvers._Greedy(m, start & m.candidates)
+        fits = g.run(limit)
+        if fits:
+            g.improve(limit, keep=start)
+        return frozenset(g.s.drop), frozenset(g.s.off), fits
+
+    for start in (frozenset(), seed):
+        for f in (0.8, 0.0, 0.95, 0.5, 2.0, 0.65):
+            assert greedy(m, int(f * full), start=start) == fresh(int(f * full), start)
+    assert len(solvers._RUNS[m]) == 2     # one run per seed
+
+
 def test_segments_reachable():
     """Below what utility recompute alone gives, the planner drops matmul outputs."""
     step, args = _mlp(depth=6, batch=256)
@@ -592,7 +617,7 @@ def test_the_block_plans_rewritten_steps_are_analysed_while_the_plain_step_compi
     plain = _Jitted("plain")
     # the block plans' rewritten programs, built without tracing (Step.rewritten)
     step = SimpleNamespace(flat=(), rewrite=lambda p: _Jitted(p.name), plain=plain,
-                           rewritten=lambda p: p.name,
+                           rewritten=lambda p, limit=None: p.name,
                            program=SimpleNamespace(nodes=[None]), donate_flat=(),
                            platform="cuda")
     compiles = plan_step._Compiles(step)

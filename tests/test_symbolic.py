@@ -112,3 +112,31 @@ def test_the_ranking_traces_no_rewrite(monkeypatch):
     figures = [peaks(i) for i in range(len(cands))]
     assert all(isinstance(f, int) and f > 0 for f in figures), figures
     assert not any(peaks.too_large(i) for i in range(len(cands)))
+
+
+def test_a_build_past_its_limit_stops_there(monkeypatch):
+    """``limit``: the build stops once it has made more nodes (``TooLarge``), so a rewrite
+    too large to compile is not built whole to learn that (greedy's lowest plan of GPT-2
+    small was 109,270 equations, 15.4x the step); at or over its size it is built whole;
+    the budget search's ``_Compiles`` then declines to compile it without tracing it."""
+    from jaxmem.compiling import plan_step
+    from jaxmem.planning.budget.units import TooLargeToCompile
+
+    w = zoo.make("mlp", size="test", abstract=True)
+    step, cands = _candidates(monkeypatch, w, "cpu")
+    plan = next(c.plan for c in cands if c.plan.recompute)
+    whole = step.rewritten(plan)
+    assert _canonical(step.rewritten(plan, len(whole.nodes))) == _canonical(whole)
+    with pytest.raises(symbolic.TooLarge) as e:
+        step.rewritten(plan, len(whole.nodes) // 2)
+    assert e.value.limit == len(whole.nodes) // 2
+
+    # a step whose rewrites all pass the growth limit: sized, not traced, not compiled
+    monkeypatch.setattr(plan_step, "growth_limit", lambda n: len(whole.nodes) // 2)
+    c = plan_step._Compiles(step)
+    traced = []
+    monkeypatch.setattr(steps.Step, "rewrite", lambda self, p: traced.append(p))
+    assert c.rewritten(plan) is None
+    with pytest.raises(TooLargeToCompile, match="more than"):
+        c.plan(plan)
+    assert traced == []

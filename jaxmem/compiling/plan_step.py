@@ -35,6 +35,7 @@ from jaxmem.compiling.signature import profile_of
 from jaxmem.compiling.steps import (
     Step,
     equations,
+    growth_limit,
     program_equations,
     read,
     rewrite_key,
@@ -50,6 +51,7 @@ from jaxmem.planning.budget.units import TooLargeToCompile
 from jaxmem.planning.costs import step_costs
 from jaxmem.planning.plan import Plan
 from jaxmem.rewriting.scans import loop_plan
+from jaxmem.rewriting.symbolic import TooLarge
 from jaxmem.tracing.program import from_jaxpr
 from jaxmem.xla import measure, targets
 from jaxmem.xla.measure import Figures
@@ -90,6 +92,7 @@ class _Compiles:
         self._traced: tuple[Any, Any] | None = None
         self._peaks: dict[Any, int | None] = {}   # rewrite key -> :meth:`rewritten`'s figure
         self._misses: list[float] = []   # compiled over rewritten peak, of each plan compiled
+        self._too_large: dict[Any, str] = {}   # rewrite key -> why (:meth:`rewritten` saw)
         # the plain step compiling in a thread (:meth:`start_plain`): (jitted, arguments,
         # future of its executable)
         self._plain_ahead: tuple[Any, list[Any], concurrent.futures.Future] | None = None
@@ -98,8 +101,10 @@ class _Compiles:
         return self.stream(jitted) if self.stream else (jitted, self.step.flat)
 
     def plan(self, p: Plan) -> Figures:
-        jitted, flat = self._streamed(self.step.rewrite(p))
         key = rewrite_key(p)
+        if key in self._too_large:   # sized by its rewritten step: not traced again
+            raise TooLargeToCompile(self._too_large[key])
+        jitted, flat = self._streamed(self.step.rewrite(p))
         if self._traced is not None and self._traced[0] == key:
             traced = self._traced[1]
         else:
@@ -141,9 +146,16 @@ class _Compiles:
                 program = from_jaxpr(traced.jaxpr)
                 n = equations(traced.jaxpr)
             else:   # built without a trace (jaxmem.rewriting.symbolic): the same nodes
-                program = self.step.rewritten(p)
+                of = len(self.step.program.nodes)
+                try:
+                    program = self.step.rewritten(p, growth_limit(of))
+                except TooLarge as e:   # not built past the limit
+                    self._too_large[key] = too_many(e.limit, of, more=True)
+                    return None
                 n = program_equations(program)
-            if too_many(n, len(self.step.program.nodes)) is not None:
+            why = too_many(n, len(self.step.program.nodes))
+            if why is not None:
+                self._too_large[key] = why
                 return None     # not compiled either (plan() says why)
             return liveness(program, donated=self.step.donate_flat,
                             platform=self.step.platform)[0]
@@ -297,8 +309,14 @@ def _within_budget(options: Options, analysis: Analysis, step: Step, auto: Plan,
         # the block plans' rewritten steps (the ranked search's predictor) do not depend on
         # the budget's bytes: analysed while the plain step compiles, fewest FLOPs first
         # (the search's order among those that fit); warm starts the plain compile
-        compiles[0].warm([p for _, p in sorted(block_variants(analysis),
-                                               key=lambda t: t[1].recompute_flops)])
+        # (MEDL's plan first: the search's first compile, unless its rewritten step rules
+        # it out; the automatic mode's candidates last: candidates_within ranks them where
+        # the search misses)
+        compiles[0].warm(([auto] if auto is not None and auto.recompute else [])
+                         + [p for _, p in sorted(block_variants(analysis),
+                                                 key=lambda t: t[1].recompute_flops)]
+                         + strategies.auto_candidates(
+                             analysis, max_recompute_fraction=options.max_recompute_fraction))
 
     def search(budget: Any, window: int) -> Plan:
         if window not in compiles:

@@ -49,12 +49,15 @@ class Step:
                        donate_argnums=self.donate_flat,
                        **self.jit_kwargs)
 
-    def rewritten(self, plan: Plan) -> Program:
+    def rewritten(self, plan: Plan, limit: int | None = None) -> Program:
         """The program of :meth:`rewrite`'s trace, for the analysis: built without tracing
         (:func:`jaxmem.rewriting.symbolic.rewritten_program`, the same nodes), or traced
-        where the plan offloads. Raises what the trace raises."""
+        where the plan offloads. Raises what the trace raises, and
+        :class:`~jaxmem.rewriting.symbolic.TooLarge` where the build passes ``limit``
+        nodes."""
         try:
-            return symbolic.rewritten_program(self.program, plan, **self._rewrite_options())
+            return symbolic.rewritten_program(self.program, plan, limit,
+                                              **self._rewrite_options())
         except symbolic.Unsupported:
             return from_jaxpr(self.rewrite(plan).trace(*self.flat).jaxpr)
 
@@ -193,10 +196,18 @@ def too_large(jaxpr: Any, step_equations: int) -> str | None:
     return too_many(equations(jaxpr), step_equations)
 
 
-def too_many(n: int, step_equations: int) -> str | None:
-    """:func:`too_large` of a rewrite of ``n`` equations."""
-    if n <= MAX_REWRITE_GROWTH * max(step_equations, 1):
+def too_many(n: int, step_equations: int, more: bool = False) -> str | None:
+    """:func:`too_large` of a rewrite of ``n`` equations (``more``: of more than ``n``,
+    its build stopped there: :func:`growth_limit`)."""
+    if n <= MAX_REWRITE_GROWTH * max(step_equations, 1) and not more:
         return None
-    return (f"its rewrite has {n:,} equations, {n / max(step_equations, 1):.1f}x the step's "
+    return (f"its rewrite has {'more than ' * more}{n:,} equations, "
+            f"{'over ' * more}{n / max(step_equations, 1):.1f}x the step's "
             f"{step_equations:,} (over MAX_REWRITE_GROWTH={MAX_REWRITE_GROWTH:g}: XLA's "
             "compile time and host memory grow with the program)")
+
+
+def growth_limit(step_equations: int) -> int:
+    """The most nodes a rewrite of a step of ``step_equations`` is built to before it is
+    known to be too large (:data:`MAX_REWRITE_GROWTH`: nodes are at most its equations)."""
+    return int(MAX_REWRITE_GROWTH * max(step_equations, 1))

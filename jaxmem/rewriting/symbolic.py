@@ -46,6 +46,15 @@ class Unsupported(NotImplementedError):
     """The rewrite emits something :class:`Symbolic` does not build (a host copy)."""
 
 
+class TooLarge(Exception):  # noqa: N818 - a signal to the caller, not an error
+    """The rewritten program passed the ``limit`` of nodes it was built with: it was not
+    finished (its size is known to be over the limit, not what it is)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"more than {limit:,} nodes")
+        self.limit = limit
+
+
 class _Var:
     """A barrier's operand or result: its type (hashed by identity, as a jaxpr's
     ``Var``)."""
@@ -105,8 +114,9 @@ class Symbolic:
     :class:`_Const`\\ s (a value is made for each where it is read, as
     :func:`~jaxmem.tracing.program.from_jaxpr` makes one for each literal)."""
 
-    def __init__(self, program: Program):
+    def __init__(self, program: Program, limit: int | None = None):
         self.p = program
+        self.limit = limit   # the most nodes to build (TooLarge past it); None: no limit
         self.b = _Builder()
         self.ambient = _jax.current_name_stack()  # what a barrier outside a node gets
         self.at: list[Node | None] = [None]  # the node being emitted (context)
@@ -158,6 +168,8 @@ class Symbolic:
             self._copy(n, read)   # the traced node's figures
         else:
             self.b.node(eqn, read, self.stack(), {})
+        if self.limit is not None and len(self.b.nodes) > self.limit:
+            raise TooLarge(self.limit)
         outs = self.b.nodes[-1].outputs
         if fwd is None:
             return list(outs)
@@ -265,12 +277,14 @@ def _constvars_first(nodes: list[Node], values: list[Value], n_inputs: int,
     return nodes, values, [new[v] for v in outputs]
 
 
-def rewritten_program(program: Program, plan: Plan, **options: Any) -> Program:
+def rewritten_program(program: Program, plan: Plan, limit: int | None = None,
+                      **options: Any) -> Program:
     """The program :func:`jaxmem.rewriting.rewrite.apply` ``(program, plan, **options)``
     traces to, built by replaying the plan symbolically (:class:`Symbolic`). Raises
-    :class:`Unsupported` for a plan that offloads."""
+    :class:`Unsupported` for a plan that offloads, :class:`TooLarge` where it passes
+    ``limit`` nodes (not built further)."""
     if plan.offload:
         raise Unsupported("host offload is traced, not built")
-    ops = Symbolic(program)
+    ops = Symbolic(program, limit)
     return ops.program(replay(program, plan, ops=ops, **options).run(*ops.inputs))
 
