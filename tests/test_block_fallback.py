@@ -367,3 +367,23 @@ def test_rewritten_over_scales_the_rewritten_step_by_the_searchs_smallest_miss(m
     assert search.rewritten_over(fake(None), d, o) is None
     assert search.rewritten_over(fake(1.14, ranked=False), d, o) is None
     assert search.rewritten_over(fake(1.14, forced=frozenset({3})), d, o) is None
+
+
+def test_medls_plan_over_the_budget_by_its_rewritten_step_is_not_compiled():
+    """``_auto_rewritten_over``: MEDL's plan, which the search compiles first, is not where
+    its rewritten step is predicted over ``REWRITTEN_OVER`` times the budget (equinox's
+    CNN at budget 0.5: 57.52 MiB against 40.33, the cost model within), and a note says
+    so; within it, or in an unranked search, it is compiled."""
+    from types import SimpleNamespace
+
+    from jaxmem.planning.budget import search
+    from jaxmem.planning.budget.ranked_blocks import REWRITTEN_OVER
+
+    def fake(r, ranked=True):
+        return SimpleNamespace(ranked=ranked, rewritten=lambda p: r, requested=100,
+                               basis=SimpleNamespace(notes=[]))
+    over = fake(int(REWRITTEN_OVER * 100) + 1)
+    assert search._auto_rewritten_over(over, None) and "MEDL's plan" in over.basis.notes[0]
+    assert not search._auto_rewritten_over(fake(int(REWRITTEN_OVER * 100)), None)
+    assert not search._auto_rewritten_over(fake(10**6, ranked=False), None)
+    assert not search._auto_rewritten_over(fake(None), None)
