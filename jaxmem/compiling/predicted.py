@@ -251,12 +251,10 @@ def predicted(plan: Plan, analysis: Analysis, step: Step, options: Options
                       for i, f in zip(group, figs, strict=True)]
             k = lowest(figs)
             c, fig, exe = cands[group[k]], figs[k], exes[k]
-            if base is None and bar is not None and fig.peak < bar:
-                return _kept(c.plan, fig, None, tried, peaks.skipped, (
-                    f"checked against the plain step's predicted peak "
-                    f"{fmt_bytes(plain_pred)}: more than {bound:.0%} below it (the cost "
-                    "model's error bound on this target), so the plain step was not "
-                    "compiled")), exe
+            own = _own_miss(peaks, group[k], fig.peak)
+            if base is None and bar is not None and fig.peak < bar * own:
+                return _kept(c.plan, fig, None, tried, peaks.skipped,
+                             _predicted_check(plain_pred, bound, own)), exe
             if base is None:
                 base = compiles.plain()
             if fig.peak < base[0].peak:
@@ -429,6 +427,29 @@ def _first_with(groups: list[list[int]], best: list[int]) -> list[list[int]]:
     add = [i for i in dict.fromkeys(best) if i not in groups[0]]
     rest = [[i for i in g if i not in add] for g in groups[1:]]
     return [groups[0] + add] + [g for g in rest if g]
+
+
+def _predicted_check(plain_pred: int, bound: float, own: float) -> str:
+    """The kept plan's note where it passed the check against the predicted plain peak."""
+    return (f"checked against the plain step's predicted peak {fmt_bytes(plain_pred)}: "
+            f"more than {bound:.0%} below it (the cost model's error bound on this target)"
+            + (f", scaled by the plan's own compiled over predicted peak ({own:.2f}x)"
+               if own < 1 else "") + ", so the plain step was not compiled")
+
+
+def _own_miss(peaks: _RewrittenPeaks, i: int, compiled: int) -> float:
+    """Candidate ``i``'s compiled peak over its rewritten step's predicted one, where that
+    is under 1 and the rewritten step was analysed (else 1.0): the predicted check's bar
+    is lowered by it. The liveness model that over-predicts a step's plan over-predicts
+    its plain step too, and :data:`PLAIN_ERROR` bounds that only as measured: the
+    lm1b-width GPT-2 decoder's plain step is predicted 22% over its compiled peak
+    (1638.98 MiB against 1343.76: the cross-entropy's f32 product, fused into its
+    reduction by XLA:GPU, is counted), past the 11.1% the H100 target's 0.10 covers, and
+    its ``selective(depth=4)`` 42% over (1279.44 against 903.60). Over the 99 stored
+    plans of the ``prediction --plans`` files at or over :data:`PLAIN_MIN_BYTES` it
+    changes no check's outcome."""
+    r = peaks.known.get(i)
+    return min(1.0, compiled / r) if r else 1.0
 
 
 def _plain(step: Step) -> tuple[Figures, Any]:
