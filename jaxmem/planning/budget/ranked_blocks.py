@@ -43,7 +43,7 @@ __all__ = ["RANKED_BLOCK_COMPILES", "RESAVE_MARGIN", "REWRITTEN_OVER", "SURE_SCA
 #: ``tests/test_prediction.py::test_the_rewritten_step_bound_covers_every_measured_plan``
 #: holds it against those files. Not a bound everywhere: the lm1b-width GPT-2 decoder
 #: (corpus ``tx_gpt2_ts`` at ``lm1b``, not in those files) compiles its block plan 1.47x
-#: below its rewritten step (XLA:GPU fuses its cross-entropy's f32 product into the
+#: below its rewritten step (in part: XLA:GPU fuses its cross-entropy's f32 product into the
 #: reduction; docs/first_call.md), so where the search has compiled a plan it reads that
 #: step's own miss instead (:data:`MISS_SPREAD`), and a block plan ruled out here but
 #: compiled for the error's minimum that fits is the answer.
