@@ -77,7 +77,8 @@ CANDIDATE_COMPILES = 2
 
 
 def candidates_within(error: BudgetError, analysis: Analysis, step: Step, options: Any,
-                      compiles: Any) -> tuple[tuple[Plan, Any] | None, BudgetError]:
+                      compiles: Any, plans: list[Plan] | None = None
+                      ) -> tuple[tuple[Plan, Any] | None, BudgetError]:
     """A budget the search missed, tried with the automatic mode's candidates
     (:func:`~jaxmem.planning.strategies.auto_candidates`: what ``optimize`` picks from
     without a budget), which the search's own plans do not include: its block plans
@@ -94,10 +95,11 @@ def candidates_within(error: BudgetError, analysis: Analysis, step: Step, option
     :data:`~jaxmem.planning.budget.ranked_blocks.REWRITTEN_OVER`, are compiled
     lowest first, at most :data:`CANDIDATE_COMPILES`, until one fits: that one and its
     executable, and ``error``; else None and ``error`` naming those compiled, its minimum
-    the lowest peak either way."""
+    the lowest peak either way. ``plans``: those candidates, where made already."""
     requested = error.requested_bytes
-    plans = strategies.auto_candidates(
-        analysis, max_recompute_fraction=options.max_recompute_fraction)
+    if plans is None:
+        plans = strategies.auto_candidates(
+            analysis, max_recompute_fraction=options.max_recompute_fraction)
     known = sorted((r, k, p) for k, p in enumerate(plans)
                    if (r := compiles.rewritten(p)) is not None)
     miss = compiles.rewritten_miss()

@@ -138,6 +138,7 @@ class _Compiles:
         return min(self._misses, default=None)
 
     def _rewritten(self, key: Any, p: Plan) -> int | None:
+        of = len(self.step.program.nodes)
         try:
             if self.stream:   # the streamed step is traced (its wrapper is not a rewrite)
                 jitted, flat = self._streamed(self.step.rewrite(p))
@@ -146,14 +147,13 @@ class _Compiles:
                 program = from_jaxpr(traced.jaxpr)
                 n = equations(traced.jaxpr)
             else:   # built without a trace (jaxmem.rewriting.symbolic): the same nodes
-                of = len(self.step.program.nodes)
                 try:
                     program = self.step.rewritten(p, growth_limit(of))
                 except TooLarge as e:   # not built past the limit
                     self._too_large[key] = too_many(e.limit, of, more=True)
                     return None
                 n = program_equations(program)
-            why = too_many(n, len(self.step.program.nodes))
+            why = too_many(n, of)
             if why is not None:
                 self._too_large[key] = why
                 return None     # not compiled either (plan() says why)
@@ -305,6 +305,7 @@ def _within_budget(options: Options, analysis: Analysis, step: Step, auto: Plan,
     # the plain step the scan-body search compiled (the same program): not compiled again
     compiles[0].seed_plain(getattr(body, "plain", None))
     profile = _budget_profile(options.budget, flat)
+    cands: list[Plan] | None = None   # the automatic mode's, where analysed while warm
     if options.offload_state is False and _ranked(options.budget):
         # the block plans' rewritten steps (the ranked search's predictor) do not depend on
         # the budget's bytes: analysed while the plain step compiles, fewest FLOPs first
@@ -312,11 +313,12 @@ def _within_budget(options: Options, analysis: Analysis, step: Step, auto: Plan,
         # (MEDL's plan first: the search's first compile, unless its rewritten step rules
         # it out; the automatic mode's candidates last: candidates_within ranks them where
         # the search misses)
+        cands = strategies.auto_candidates(
+            analysis, max_recompute_fraction=options.max_recompute_fraction)
         compiles[0].warm(([auto] if auto is not None and auto.recompute else [])
                          + [p for _, p in sorted(block_variants(analysis),
                                                  key=lambda t: t[1].recompute_flops)]
-                         + strategies.auto_candidates(
-                             analysis, max_recompute_fraction=options.max_recompute_fraction))
+                         + cands)
 
     def search(budget: Any, window: int) -> Plan:
         if window not in compiles:
@@ -355,7 +357,7 @@ def _within_budget(options: Options, analysis: Analysis, step: Step, auto: Plan,
     except BudgetError as e:
         if options.offload_state is not False:
             raise
-        found, e = candidates_within(e, analysis, step, options, compiles[0])
+        found, e = candidates_within(e, analysis, step, options, compiles[0], cands)
         if found is not None:
             return (*found, 0)
         plan, compiled = builtin_within(e, analysis, step, compiles[0].plain,

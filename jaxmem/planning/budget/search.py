@@ -218,7 +218,7 @@ class _Search:
         "blocks first")."""
         r = (None if (self.rewritten is None or not self.ranked or self.blocks is not None
                       or self.compile_plan is None or self.forced)
-             else self.rewritten(plan_from_sets(self.model, d, o, "budget", "budget")))
+             else _sets_rewritten(self, d, o))
         if r is None or r <= self.requested:
             return False
         note = f"{source} plan's rewritten step predicted at {fmt_bytes(r)}, over the budget"
@@ -395,7 +395,7 @@ def rewritten_over(s: _Search, drop: frozenset[int], off: frozenset[int],
     miss = s.rewritten_miss() if s.rewritten_miss is not None and s.ranked else None
     if miss is None or s.rewritten is None or s.compile_plan is None or s.forced:
         return None
-    r = s.rewritten(plan_from_sets(s.model, drop, off, "budget", "budget"))
+    r = _sets_rewritten(s, drop, off)
     scale = miss if bar is not None else miss / MISS_SPREAD
     bar = s.requested + 1 if bar is None else bar
     if r is None or r * scale < bar:
@@ -414,7 +414,13 @@ def _greedy_lowest_rewritten(s: _Search) -> int | None:
     reached."""
     if s.lowest_skipped is None or s.rewritten is None:
         return None
-    return s.rewritten(plan_from_sets(s.model, *s.lowest_skipped, "budget", "budget"))
+    return _sets_rewritten(s, *s.lowest_skipped)
+
+
+def _sets_rewritten(s: _Search, drop: frozenset[int], off: frozenset[int]) -> int | None:
+    """``s.rewritten`` of the plan of ``(drop, off)`` as the search compiles it
+    (:meth:`Tries.check`'s ``plan_from_sets``)."""
+    return s.rewritten(plan_from_sets(s.model, drop, off, "budget", "budget"))
 
 
 def plan_with_budget(analysis: Analysis, budget: Any, *, auto: Plan | None = None,

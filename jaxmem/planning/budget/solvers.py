@@ -249,11 +249,13 @@ class _Trajectory:
         self.allow_offload = allow_offload
         self.g = _Greedy(model, seed, forced, allow_offload=allow_offload)
         self.taken: list[tuple[set[int], set[int], int, int]] = []
-        self.start = (self.g.peak(), 0)   # (peak, evaluations) before any move, scored
+        # (peak, evaluations) before any move, once every move is scored (answer's first)
+        self.start: tuple[int, int] | None = None
         self.done = False                 # ran out of moves or evaluations
 
     def _stop(self, limit: int) -> int | None:
         """How many moves a run to ``limit`` takes, where the moves so far reach it."""
+        assert self.start is not None
         if self.start[0] <= limit:
             return 0
         return next((k + 1 for k, t in enumerate(self.taken) if t[2] <= limit), None)
@@ -261,7 +263,7 @@ class _Trajectory:
     def answer(self, limit: int) -> tuple[_Greedy, bool]:
         """A fresh solver in the state a run to ``limit`` stops in (its evaluations
         counted as that run's), and whether it fits."""
-        if self.g.heap is None:   # a fresh run scores every move before it takes one
+        if self.start is None:   # a fresh run scores every move before it takes one
             self.g.run(self.g.peak())
             self.start = (self.g.peak(), self.g.evals)
         k = self._stop(limit)
