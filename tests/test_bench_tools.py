@@ -1,12 +1,13 @@
 """The benchmarks' own helpers: the step loader of the child processes, the parser of
-XLA's pass timers and the causes of ranking disagreements (benchmarks.workload,
-benchmarks.compile_phases, benchmarks.ranking_disagreements)."""
+XLA's pass timers, the compile-cores table and the causes of ranking disagreements
+(benchmarks.workload, benchmarks.compile_phases, benchmarks.compile_cores,
+benchmarks.ranking_disagreements)."""
 
 from __future__ import annotations
 
 import jax
 
-from benchmarks import compile_phases, workload
+from benchmarks import compile_cores, compile_phases, workload
 
 
 def test_load_gives_a_zoo_step_with_its_arguments():
@@ -34,6 +35,17 @@ def test_xla_timers_are_summed_per_compile_between_the_markers():
     assert abs(first["HLO pass: priority-fusion"] - 3.35) < 1e-9
     assert first["GpuCompiler::RunHloPasses"] == 5.5  # the line before the marker not counted
     assert abs(second["HLO pass: cse"] - 4e-5) < 1e-12
+
+
+def test_the_compile_cores_table_counts_subprocesses_in_the_cores_busy():
+    meta = dict(command="python -m benchmarks.compile_cores", git_commit="0" * 40,
+                date="2026-12-07", jax="0.10.2", cpus=2)
+    rows = [dict(how="alone", seconds=5.0, cpu_self=5.0, cpu_children=3.0, compiles=1),
+            dict(how="threads", seconds=8.0, cpu_self=10.0, cpu_children=6.0, compiles=2)]
+    table = compile_cores.markdown(meta, rows).splitlines()
+    assert table[-2] == "| alone (1) | 5.00 (1.00x) | 5.00 | 3.00 | 1.60 |"
+    assert table[-1] == "| threads (2) | 8.00 (1.60x) | 10.00 | 6.00 | 2.00 |"
+    assert compile_cores.HOWS[0] == "alone"   # the table's ratios are over its first row
 
 
 def test_a_disagreement_is_put_down_to_the_first_figure_that_orders_it_right():
