@@ -4,7 +4,9 @@ predicts no higher peak, and computes what the plain step computes."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -307,7 +309,8 @@ def test_the_block_plan_left_for_the_lowest_peak_is_compiled_where_greedys_lowes
             basis=SimpleNamespace(notes=[]), ranked=True, forced=frozenset(),
             rewritten=lambda p: 450, rewritten_miss=lambda: rewritten_miss,
             compile_plan=lambda p: Figures(argument=300, output=0, temp=0, alias=0, flops=1.0),
-            device_peak=lambda p, fig: (fig.peak, None))
+            device_peak=lambda p, fig: (fig.peak, None), told=[])
+        s.failing = lambda: s.told.append("failing")   # the caller's hook: nothing fits
         return s, compiled
 
     blk = Found(None, None, 0, None, deferred=(2, SimpleNamespace(strategy="blocks(depth=2)")))
@@ -316,6 +319,7 @@ def test_the_block_plan_left_for_the_lowest_peak_is_compiled_where_greedys_lowes
     # greedy's lowest may go lower (no miss yet): it is compiled, the block plan is not
     s, compiled = fake(d, [], greedy)
     assert search._lowest_reached(s, blk) is greedy and compiled == ["greedy (lowest)"]
+    assert s.told == ["failing"]   # told before the compile for the lowest peak
     # greedy's lowest cannot go lower (100 x 6.0 over the 500 reached): the block plan is
     s, compiled = fake(d, [6.0], greedy)
     assert search._lowest_reached(s, blk) is None and compiled == ["deferred 300"]
@@ -387,3 +391,39 @@ def test_medls_plan_over_the_budget_by_its_rewritten_step_is_not_compiled():
     assert not search._auto_rewritten_over(fake(int(REWRITTEN_OVER * 100)), None)
     assert not search._auto_rewritten_over(fake(10**6, ranked=False), None)
     assert not search._auto_rewritten_over(fake(None), None)
+
+
+def test_the_search_says_when_it_gives_up_fitting_the_budget():
+    """``plan_with_budget(failing=...)`` is called where the search compiles (or leaves)
+    a plan for the lowest peak it can reach (``jaxmem.optimize`` makes the built-in
+    fallback's first program beside that compile), not where a plan fits."""
+    from jaxmem.measure import Figures
+
+    from jaxmem.compiling.plan_step import _FirstBuiltin
+    from jaxmem.planning.budget import BudgetError, plan_with_budget
+
+    step, args = _blocks_mlp(depth=4, batch=64, width=16)
+    analysis = from_program(jaxmem.trace(step, *args))
+    plain = Figures(argument=analysis.argument_bytes, output=0,
+                    temp=analysis.peak_bytes - analysis.argument_bytes, alias=0, flops=1.0)
+
+    def run(budget, peak):   # every plan compiles to ``peak``
+        told: list[str] = []
+        with contextlib.suppress(BudgetError):
+            plan_with_budget(analysis, budget, compile_plain=lambda: plain,
+                             compile_plan=lambda p: dataclasses.replace(
+                                 plain, temp=peak - plain.argument),
+                             failing=lambda: told.append("failing"))
+        return told
+
+    assert run(0.99, (plain.argument + plain.peak) // 2) == []   # fits: not told
+    assert "failing" in run(analysis.argument_bytes + 1, plain.peak)   # cannot fit
+
+    queued: list = []
+    made = _FirstBuiltin(SimpleNamespace(beside=queued.append,
+                                         analyse_left=lambda: queued.append("left")),
+                         step=None)
+    made.failing()
+    made.failing()
+    # queued once, after the warm list's plans left, made beside a compile
+    assert len(queued) == 2 and queued[0] == "left" and made.made is None

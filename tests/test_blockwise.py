@@ -380,3 +380,83 @@ def test_programs_read_through_closed_call():
                               {"call_jaxpr": inner}, jit_eqn.effects, jit_eqn.source_info)
     closed = _jax.closed_jaxpr(_jax.with_eqns(outer.jaxpr, [call]))
     assert from_jaxpr(closed).flops == from_jaxpr(inner).flops > 0
+
+
+def test_python_the_search_will_need_runs_while_a_plan_compiles(monkeypatch):
+    """``_Compiles.beside``: tasks queued (on a search that cannot fit: the warm list's
+    plans not analysed while the plain step compiled, the first built-in's trace) run, in
+    order, while the next plan compiles, and those left when it is compiled wait for the
+    one after."""
+    import threading
+    import time
+
+    from jaxmem.compiling import plan_step
+
+    c = plan_step._Compiles.__new__(plan_step._Compiles)
+    c._pending = []
+    done = threading.Event()
+    ran: list[str] = []
+
+    def slow_compile(lowered):
+        done.wait(5)
+        return f"exe of {lowered}"
+
+    monkeypatch.setattr(plan_step.measure, "compile", slow_compile)
+
+    def task(name, finish=False):
+        def run():
+            ran.append(name)
+            if finish:       # the compile ends here; the next task waits for another
+                done.set()
+                time.sleep(0.3)
+        return run
+
+    for name in ("a", "b", "c"):
+        c.beside(task(name, finish=name != "a"))
+    assert c._compile("p") == "exe of p"
+    assert ran == ["a", "b"] and len(c._pending) == 1
+    done.clear()
+    assert c._compile("q") == "exe of q" and ran == ["a", "b", "c"] and not c._pending
+    assert c._compile("r") == "exe of r"   # nothing pending: compiled as before
+    # warm's plans left are queued only when asked (analyse_left), in their order
+    c._left = ["p1", "p2"]
+    c.rewritten = ran.append
+    c.analyse_left()
+    assert not c._left and len(c._pending) == 2
+    done.clear()
+    c.beside(task("d", finish=True))
+    assert c._compile("s") == "exe of s" and ran[-3:] == ["p1", "p2", "d"]
+
+
+def test_the_first_builtin_made_ahead_is_read_without_a_trace(monkeypatch):
+    """``builtin_fallbacks.first_builtin`` (made beside an earlier compile of the search)
+    is what the built-in fallback reads first: predicted far over the budget and not
+    below the search's minimum, nothing is traced, lowered or compiled; its peak is the
+    liveness model's of the traced program."""
+    from jaxmem.program import from_jaxpr
+
+    from jaxmem.analyzing.liveness import liveness
+    from jaxmem.compiling import build, plan_cache
+    from jaxmem.compiling import builtin_fallbacks as bf
+    from jaxmem.planning.budget import BudgetError
+
+    w = _nnx_mlp()
+    made: dict = {}
+    real = build.make_plan
+
+    def spy(options, analysis, s, **kw):
+        made["step"] = s
+        return real(options, analysis, s, **kw)
+    monkeypatch.setattr(build, "make_plan", spy)
+    plan_cache.clear_memory()
+    jaxmem.optimize(w.step, donate_argnums=0, verify=False).plan(*w.args)
+    s = made["step"]
+    first = bf.first_builtin(s)
+    assert first.wrapped and first.traced is not None
+    assert first.peak == liveness(from_jaxpr(first.traced.jaxpr), donated=s.donate_flat,
+                                  platform=s.platform)[0]
+    asked: list = []
+    monkeypatch.setattr(type(s), "loss", lambda self, *a: asked.append(a))
+    error = BudgetError("missed (test)", 100, first.peak)
+    fits, lowest, far = bf._fitting_builtins(error, s, None, first)
+    assert far == first.peak and not fits and lowest == first.peak and not asked

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from jaxmem.analyzing.analysis import Analysis
 from jaxmem.analyzing.liveness import liveness
@@ -142,17 +142,47 @@ def candidates_within(error: BudgetError, analysis: Analysis, step: Step, option
     return None, error
 
 
+class First(NamedTuple):
+    """:data:`FIRST_BUILTIN`'s program, traced, and the peak the liveness model predicts
+    for it (:func:`first_builtin`)."""
+
+    jitted: Any
+    wrapped: list[str]   # the losses its trace wrapped (empty: it runs as the plain step)
+    traced: Any          # None where jax.checkpoint cannot take the loss
+    peak: int | None     # None where not traced or not analysed
+
+
+def first_builtin(step: Step) -> First:
+    """:data:`FIRST_BUILTIN` on ``step``, traced, and its liveness analysed: what
+    :func:`builtin_within` reads first. It does not depend on the budget, so it is made
+    while an earlier compile of the search runs (``_Compiles.beside`` in
+    :mod:`jaxmem.compiling.plan_step`): the trace is most of what
+    :func:`builtin_within` spends where it compiles nothing."""
+    jitted, wrapped = step.loss(*FIRST_BUILTIN)
+    try:
+        traced = jitted.trace(*step.flat)
+    except Exception:  # noqa: BLE001 - jax.checkpoint cannot take this loss
+        return First(jitted, wrapped, None, None)
+    try:
+        peak = liveness(from_jaxpr(traced.jaxpr), donated=step.donate_flat,
+                        platform=step.platform)[0] if wrapped else None
+    except Exception:  # noqa: BLE001 - compiled as before
+        peak = None
+    return First(jitted, wrapped, traced, peak)
+
+
 def builtin_within(error: BudgetError, analysis: Analysis, step: Step,
-                   compile_plain: Callable[[], Figures], miss: float | None = None
-                   ) -> tuple[Plan, Any]:
+                   compile_plain: Callable[[], Figures], miss: float | None = None,
+                   first: First | None = None) -> tuple[Plan, Any]:
     """A budget jaxmem's search cannot meet, tried with JAX's built-in policies: the loss
     under ``jax.checkpoint(policy=dots_saveable | nothing_saveable)``, around each block
     of the name stack (what ``nn.remat`` does) and around the whole loss. The one with
     the fewest FLOPs among those whose compiled peak fits runs; none fits: ``error``
     again, its minimum the lowest peak found either way. ``miss``: the smallest compiled
-    over rewritten peak of the plans the search compiled (:func:`_first_far`)."""
+    over rewritten peak of the plans the search compiled (:func:`_first_far`); ``first``:
+    :func:`first_builtin`, where made already."""
     base = compile_plain()
-    fits, lowest, far = _fitting_builtins(error, step, miss)
+    fits, lowest, far = _fitting_builtins(error, step, miss, first)
     if far is not None:
         policy, _ = FIRST_BUILTIN
         raise BudgetError(
@@ -184,30 +214,37 @@ def builtin_within(error: BudgetError, analysis: Analysis, step: Step,
     return plan.with_figures(fig, base), exe
 
 
-def _fitting_builtins(error: BudgetError, step: Step, miss: float | None = None
-                      ) -> tuple[list[tuple], int, int | None]:
+def _fitting_builtins(error: BudgetError, step: Step, miss: float | None = None,
+                      first: First | None = None) -> tuple[list[tuple], int, int | None]:
     """The built-in policies, per block and whole, compiled (:data:`FIRST_BUILTIN` first;
     the others unless it compiles above the budget by more than :data:`BUILTIN_SPREAD`;
     none where it is predicted above it by more than that and :data:`REWRITTEN_OVER`,
     :func:`_first_far`): those within the budget as ``(flops, peak, policy, per_block,
     figures, executable)``, the lowest peak seen (the search's minimum where none is
-    lower), and the first one's predicted peak where none was compiled (else None)."""
+    lower), and the first one's predicted peak where none was compiled (else None).
+    ``first``: :func:`first_builtin`, where made already."""
     fits, lowest = [], error.minimum_bytes
     order = [FIRST_BUILTIN] + [(policy, per_block) for policy in BUILTIN_POLICIES
                                for per_block in (True, False)
                                if (policy, per_block) != FIRST_BUILTIN]
     compiled = 0
     for k, (policy, per_block) in enumerate(order):
-        jitted, wrapped = step.loss(policy, per_block)
+        if k == 0:
+            jitted, wrapped, traced, peak = first or first_builtin(step)
+        else:
+            jitted, wrapped = step.loss(policy, per_block)
+            try:
+                traced, peak = jitted.trace(*step.flat), None
+            except Exception:  # noqa: BLE001 - jax.checkpoint cannot take this loss
+                continue
+        if traced is None or not wrapped:  # not traced; or no differentiated loss, or
+            continue                        # no blocks in its names: plain
+        if k == 0 and per_block and (pred := _first_far(peak, error, miss)):
+            return fits, lowest, pred   # none compiled (nor lowered): none can fit
         try:
-            traced = jitted.trace(*step.flat)
             lowered = traced.lower()
         except Exception:  # noqa: BLE001 - jax.checkpoint cannot take this loss
             continue
-        if not wrapped:  # no differentiated loss, or no blocks in its names: plain
-            continue
-        if k == 0 and per_block and (pred := _first_far(traced, step, error, miss)):
-            return fits, lowest, pred   # none compiled: none can fit
         exe = measure.compile(lowered)
         fig = read(exe, jitted, step.flat)
         compiled += 1
@@ -222,15 +259,15 @@ def _fitting_builtins(error: BudgetError, step: Step, miss: float | None = None
     return fits, lowest, None
 
 
-def _first_far(traced: Any, step: Step, error: BudgetError, miss: float | None
-               ) -> int | None:
+def _first_far(peak: int | None, error: BudgetError, miss: float | None) -> int | None:
     """The peak the liveness model predicts for :data:`FIRST_BUILTIN`'s program
-    (``traced``; scaled by ``miss``, the smallest compiled over rewritten peak of the
-    plans the search compiled, where that is under 1), where it is above the budget by
-    more than :data:`REWRITTEN_OVER` times ``1 +`` :data:`BUILTIN_SPREAD` and not below the
-    lowest peak the search reached by more than :data:`MINIMUM_TOLERANCE`: it cannot fit,
-    nor compile within the spread that lets the others be compiled, nor (as predicted)
-    lower the error's minimum, so none is compiled (else None). The liveness model's peak
+    (``peak``, :func:`first_builtin`'s; scaled by ``miss``, the smallest compiled over
+    rewritten peak of the plans the search compiled, where that is under 1), where it is
+    above the budget by more than :data:`REWRITTEN_OVER` times ``1 +``
+    :data:`BUILTIN_SPREAD` and not below the lowest peak the search reached by more than
+    :data:`MINIMUM_TOLERANCE`: it cannot fit, nor compile within the spread that lets
+    the others be compiled, nor (as predicted) lower the error's minimum, so none is
+    compiled (else None). The liveness model's peak
     of the built-ins per block was at most 18.7% above their compiled peak over the
     ``benchmarks.prediction --plans`` files (the zoo ResNet at test size, H100 target;
     ``dots_saveable``, 8.3% at bench size), but 1.52x on the lm1b-width GPT-2 decoder, as
@@ -239,12 +276,9 @@ def _first_far(traced: Any, step: Step, error: BudgetError, miss: float | None
     Transformers' ResNet18 (bench size, H100 target, budget 0.5): predicted 196.29 MiB,
     compiled to 183.38 against a budget of 104.18, after the search had reached 183.57
     (6.2 s of the 23.1 s that raised :class:`BudgetError`)."""
-    try:
-        pred = liveness(from_jaxpr(traced.jaxpr), donated=step.donate_flat,
-                        platform=step.platform)[0]
-    except Exception:  # noqa: BLE001 - compiled as before
+    if peak is None:   # not analysed: compiled as before
         return None
-    pred = int(pred * min(1.0, miss or 1.0))
+    pred = int(peak * min(1.0, miss or 1.0))
     far = REWRITTEN_OVER * (1 + BUILTIN_SPREAD) * error.requested_bytes
     return pred if pred > far and pred >= error.minimum_bytes * (1 - MINIMUM_TOLERANCE) else None
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -26,6 +27,7 @@ from jaxmem.compiling.background import first_to_run
 from jaxmem.compiling.builtin_fallbacks import (
     builtin_within,
     candidates_within,
+    first_builtin,
     unplanned_budget,
     why_unplanned,
 )
@@ -96,6 +98,9 @@ class _Compiles:
         # the plain step compiling in a thread (:meth:`start_plain`): (jitted, arguments,
         # future of its executable)
         self._plain_ahead: tuple[Any, list[Any], concurrent.futures.Future] | None = None
+        # Python the search will ask for, run while a plan compiles (:meth:`beside`)
+        self._pending: list[Callable[[], Any]] = []
+        self._left: list[Plan] = []   # of :meth:`warm`'s plans, those not analysed in it
 
     def _streamed(self, jitted: Any) -> tuple[Any, list[Any]]:
         return self.stream(jitted) if self.stream else (jitted, self.step.flat)
@@ -113,7 +118,7 @@ class _Compiles:
         # sized first: the search's own plans (greedy, exact) and MEDL's, which replays
         # chains region by region (3.3x the step on the lm1b-width GPT-2 decoder)
         _check_size(traced.jaxpr, len(self.step.program.nodes))
-        exe = measure.compile(traced.lower())
+        exe = self._compile(traced.lower())
         fig = read(exe, jitted, flat)
         if self._peaks.get(key):
             self._misses.append(fig.peak / self._peaks[key])
@@ -122,6 +127,24 @@ class _Compiles:
             self.kept = {k: v for k, v in self.kept.items() if not _beats(fig, v[1])}
             self.kept[key] = (exe, fig)
         return fig
+
+    def beside(self, task: Callable[[], Any]) -> None:
+        """Run ``task`` (Python the search will need; it raises nothing) while a plan
+        compiles, in the order given: XLA's compile does not hold the GIL, and one compile
+        keeps 1.35 to 1.69 of two CPUs busy (``benchmarks.compile_cores``), so Python
+        beside it costs little of its time."""
+        self._pending.append(task)
+
+    def _compile(self, lowered: Any) -> Any:
+        """``lowered`` compiled, the pending tasks (:meth:`beside`) run while it is."""
+        if not self._pending:
+            return measure.compile(lowered)
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxmem-compile")
+        future = pool.submit(measure.compile, lowered)
+        pool.shutdown(wait=False)
+        while self._pending and not future.done():
+            self._pending.pop(0)()
+        return future.result()
 
     def rewritten(self, p: Plan) -> int | None:
         """The peak the liveness model predicts for ``p``'s rewritten step, as compiled
@@ -174,8 +197,10 @@ class _Compiles:
 
     def warm(self, plans: list[Plan]) -> int:
         """The rewritten steps' predicted peaks of ``plans`` (:meth:`rewritten`, kept for
-        the search), in order, while the plain step compiles (started here): none after it
-        is compiled. How many were analysed."""
+        the search), in order, while the plain step compiles (started here); those left
+        when it is compiled are analysed when the search asks, or beside its compile for
+        the lowest peak (:meth:`analyse_left`). How many were analysed while the plain
+        step compiled."""
         self.start_plain()
         n = 0
         for p in plans:
@@ -183,7 +208,17 @@ class _Compiles:
                 break
             self.rewritten(p)
             n += 1
+        self._left = plans[n:]
         return n
+
+    def analyse_left(self) -> None:
+        """:meth:`warm`'s plans not analysed yet, beside the next compile (:meth:`beside`):
+        for a search that cannot fit (the automatic mode's candidates are ranked by their
+        rewritten steps after it); a search that fits would not read most of them, and
+        Python beside a compile slows it a little."""
+        for p in self._left:
+            self.beside(functools.partial(self.rewritten, p))
+        self._left = []
 
     def plain(self) -> Figures:
         # The plain step is the same program however often a search asks: compiled once
@@ -306,6 +341,7 @@ def _within_budget(options: Options, analysis: Analysis, step: Step, auto: Plan,
     compiles[0].seed_plain(getattr(body, "plain", None))
     profile = _budget_profile(options.budget, flat)
     cands: list[Plan] | None = None   # the automatic mode's, where analysed while warm
+    builtin = _FirstBuiltin(compiles[0], step)
     if options.offload_state is False and _ranked(options.budget):
         # the block plans' rewritten steps (the ranked search's predictor) do not depend on
         # the budget's bytes: analysed while the plain step compiles, fewest FLOPs first
@@ -339,7 +375,7 @@ def _within_budget(options: Options, analysis: Analysis, step: Step, auto: Plan,
                 compile_plain=plan_cache.progress(_shifted(c.plain, shift), "budget search"),
                 device_peak=lambda p, fig: device_peak(program, p, fig, step.platform),
                 offload=options.offload, profile=profile, rewritten=c.rewritten,
-                rewritten_miss=c.rewritten_miss)
+                rewritten_miss=c.rewritten_miss, failing=None if window else builtin.failing)
         except BudgetError as e:
             if not shift:
                 raise
@@ -361,12 +397,33 @@ def _within_budget(options: Options, analysis: Analysis, step: Step, auto: Plan,
         if found is not None:
             return (*found, 0)
         plan, compiled = builtin_within(e, analysis, step, compiles[0].plain,
-                                        compiles[0].rewritten_miss())
+                                        compiles[0].rewritten_miss(), builtin.made)
         return plan, compiled, 0
     plan = dataclasses.replace(plan, donated=step.donated,
                                notes=plan.notes + (body.notes if body else ()))
     # the executable the search compiled for the chosen plan runs the first call
     return plan, compiles[stream_state].exe_for(plan), stream_state
+
+
+class _FirstBuiltin:
+    """:func:`~jaxmem.compiling.builtin_fallbacks.first_builtin` of ``step``, made beside
+    the compile the budget search spends on its lowest peak (:meth:`failing`, its
+    ``failing`` callback), once, after the plans left from ``_Compiles.warm``: what the
+    fallbacks read after a :class:`BudgetError`. A search that fits makes neither."""
+
+    def __init__(self, compiles: _Compiles, step: Step) -> None:
+        self.compiles, self.step = compiles, step
+        self.made: Any = None
+        self.queued = False
+
+    def failing(self) -> None:
+        if not self.queued:
+            self.queued = True
+            self.compiles.analyse_left()
+            self.compiles.beside(self._make)
+
+    def _make(self) -> None:
+        self.made = first_builtin(self.step)
 
 
 def _ranked(budget: Any) -> bool:

@@ -80,8 +80,10 @@ class _Search:
                  max_compiles: int, time_limit: float | None, node_limit: int = 5000,
                  search: str = "ranked",
                  rewritten: Callable[[Plan], int | None] | None = None,
-                 rewritten_miss: Callable[[], float | None] | None = None) -> None:
+                 rewritten_miss: Callable[[], float | None] | None = None,
+                 failing: Callable[[], None] | None = None) -> None:
         t_start = time.perf_counter()
+        self.failing = failing or (lambda: None)
         self.analysis, self.auto, self.compile_plan = analysis, auto, compile_plan
         self.rewritten, self.ranked = rewritten, search == "ranked"
         self.rewritten_miss = rewritten_miss
@@ -234,7 +236,7 @@ class _Search:
             return ranked_block_plan(self.model, self.analysis, self.requested,
                                      self.compile_plan, ratio=self.tries.ratio(),
                                      rewritten=self.rewritten,
-                                     rival=lambda: _greedy_lowest_rewritten(self))
+                                     rival=lambda: _failing_rival(self))
         return best_block_plan(self.analysis, self.requested, self.compile_plan)
 
     def _stages(self) -> Iterator[str]:
@@ -339,6 +341,7 @@ def _lowest_reached(s: _Search, blk: Found | None) -> Candidate | Found | None:
     rewritten step, which the lm1b-width GPT-2 decoder's block plan compiled 1.47x
     below); or None."""
     cand = None
+    s.failing()
     if s.lowest_skipped is not None and _may_go_lower(s, *s.lowest_skipped):
         s.basis.notes.append("greedy's lowest plan compiled after all, for the lowest peak "
                              "reached")
@@ -405,6 +408,14 @@ def rewritten_over(s: _Search, drop: frozenset[int], off: frozenset[int],
                                                     f" / {MISS_SPREAD}"))
 
 
+def _failing_rival(s: _Search) -> int | None:
+    """The ranked block search compiles (or leaves) a block plan for the lowest peak:
+    ``s.failing()`` is told, and greedy's lowest plan's rewritten peak is its rival
+    (:func:`_greedy_lowest_rewritten`)."""
+    s.failing()
+    return _greedy_lowest_rewritten(s)
+
+
 def _greedy_lowest_rewritten(s: _Search) -> int | None:
     """The peak the liveness model predicts for greedy's lowest plan's rewritten step,
     where the ranked search ``s`` ruled that plan out (compiled after the block plans
@@ -432,7 +443,8 @@ def plan_with_budget(analysis: Analysis, budget: Any, *, auto: Plan | None = Non
                      max_compiles: int | None = None, time_limit: float | None = None,
                      search: str | None = None,
                      rewritten: Callable[[Plan], int | None] | None = None,
-                     rewritten_miss: Callable[[], float | None] | None = None) -> Plan:
+                     rewritten_miss: Callable[[], float | None] | None = None,
+                     failing: Callable[[], None] | None = None) -> Plan:
     """Plan ``analysis`` under ``budget``; compile in the loop when ``compile_plan`` is given.
 
     Args:
@@ -458,6 +470,11 @@ def plan_with_budget(analysis: Analysis, budget: Any, *, auto: Plan | None = Non
         predicts within the budget
         (:func:`~jaxmem.planning.budget.ranked_blocks.ranked_block_plan`), and where it puts
         the solver's plan above the budget, the block plans are tried before it.
+      rewritten_miss: ``() -> float or None``, the smallest compiled over rewritten peak
+        of the plans compiled so far (:func:`rewritten_over`).
+      failing: called when the search gives up fitting the budget and compiles (or
+        leaves) a plan for the lowest peak it can reach: the caller may prepare what it
+        tries after a :class:`BudgetError` (``jaxmem.optimize``: JAX's built-ins).
 
     Raises:
       BudgetError: if no plan fits; ``.minimum_bytes`` is the lowest peak found.
@@ -469,4 +486,4 @@ def plan_with_budget(analysis: Analysis, budget: Any, *, auto: Plan | None = Non
         profile=profile, max_compiles=max_compiles or spec.max_compiles,
         time_limit=spec.time_limit if time_limit is None else time_limit,
         node_limit=spec.node_limit, search=search or spec.search, rewritten=rewritten,
-        rewritten_miss=rewritten_miss).run()
+        rewritten_miss=rewritten_miss, failing=failing).run()
