@@ -23,8 +23,6 @@ Writes ``benchmarks/results/compile_cores-<target>-<model>-<size>.json`` and ``.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import os
 import subprocess
@@ -34,8 +32,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import compile_phases
+
 ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "benchmarks" / "results"
 
 _CHILD = r"""
 import json, os, resource, sys, threading, time
@@ -135,26 +134,10 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="corpus:tx_resnet18_ts")
-    ap.add_argument("--size", default="bench")
-    ap.add_argument("--target", default="h100")
-    args = ap.parse_args(argv)
+    args = compile_phases.step_arguments(__doc__, "corpus:tx_resnet18_ts").parse_args(argv)
     rows = run(args.model, args.size, args.target)
-    import jax
-    meta = {"command": "python -m benchmarks.compile_cores " + " ".join(
-                sys.argv[1:] if argv is None else argv),
-            "git_commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT,
-                                         capture_output=True, text=True).stdout.strip(),
-            "date": datetime.date.today().isoformat(), "jax": jax.__version__,
-            "cpus": os.cpu_count()}
-    name = f"compile_cores-{args.target}-{args.model.replace(':', '-')}-{args.size}"
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    md = markdown(meta, rows)
-    (OUT / f"{name}.md").write_text(md)
-    print(md)
-    return {"meta": meta, "rows": rows}
+    stem = f"compile_cores-{args.target}-{args.model.replace(':', '-')}-{args.size}"
+    return compile_phases.write("compile_cores", argv, stem, rows, markdown)
 
 
 if __name__ == "__main__":

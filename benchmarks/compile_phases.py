@@ -38,6 +38,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -177,11 +178,39 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="transformer")
+def step_arguments(doc: str, model: str) -> argparse.ArgumentParser:
+    """The parser of a compile benchmark of one step: ``--model`` (default ``model``),
+    ``--size``, ``--target``."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--model", default=model)
     ap.add_argument("--size", default="bench")
     ap.add_argument("--target", default="h100")
+    return ap
+
+
+def write(module: str, argv: list[str] | None, stem: str, rows: list[dict[str, Any]],
+          markdown_of: Callable[[dict[str, Any], list[dict[str, Any]]], str]
+          ) -> dict[str, Any]:
+    """``rows`` with the run's metadata written to ``benchmarks/results/<stem>.json`` and,
+    as ``markdown_of`` formats them, ``.md`` (printed too)."""
+    import jax
+    meta = {"command": f"python -m benchmarks.{module} " + " ".join(
+                sys.argv[1:] if argv is None else argv),
+            "date": datetime.date.today().isoformat(), "jax": jax.__version__,
+            "git_commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT,
+                                         capture_output=True, text=True).stdout.strip(),
+            "cpus": os.cpu_count()}
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2)
+                                      + "\n")
+    md = markdown_of(meta, rows)
+    (OUT / f"{stem}.md").write_text(md)
+    print(md)
+    return {"meta": meta, "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = step_arguments(__doc__, "transformer")
     ap.add_argument("--strip-barriers", action="store_true",
                     help="compile each rewrite with its optimization_barriers made the "
                          "identity (a diagnosis: what the barriers' kept recomputation costs "
@@ -197,24 +226,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if unknown:
         ap.error(f"--programs: unknown {sorted(unknown)}; choose from {PROGRAMS}")
     rows = run(args.model, args.size, args.target, args.strip_barriers, args.programs)
-    import jax
-    meta = {"command": "python -m benchmarks.compile_phases " + " ".join(
-                sys.argv[1:] if argv is None else argv),
-            "date": datetime.date.today().isoformat(), "jax": jax.__version__,
-            "git_commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT,
-                                         capture_output=True, text=True).stdout.strip(),
-            "cpus": os.cpu_count()}
     stem = (f"compile_phases-{args.target}-{args.model.replace(':', '-')}-{args.size}"
             + ("-nobarriers" if args.strip_barriers else "")
             + ("" if args.programs == "plans,blocks"
                else "-" + args.programs.replace(",", "-")))
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2)
-                                      + "\n")
-    md = markdown(meta, rows)
-    (OUT / f"{stem}.md").write_text(md)
-    print(md)
-    return {"meta": meta, "rows": rows}
+    return write("compile_phases", argv, stem, rows, markdown)
 
 
 if __name__ == "__main__":
