@@ -201,7 +201,9 @@ def main(argv: list[str] | None = None) -> dict:
         f"{' (compile-only: the seconds are up to the executable)' if args.target != 'cpu' else ''}"
         f"; {os.cpu_count()} CPUs, load average "
         f"{load[0]:.1f} at the start; jax {result['jax']}, commit "
-        f"{str(result['git_commit'])[:10]}, {result['date']}\n\n" + md)
+        f"{str(result['git_commit'])[:10]}"
+        f"{' with uncommitted changes' if result.get('git_dirty') else ''}, "
+        f"{result['date']}\n\n" + md)
     print(md)
     return result
 
@@ -246,13 +248,17 @@ def _meta(argv: list[str] | None) -> dict:
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                                 text=True, check=True).stdout.strip()
+        # the code measured is not that commit's where jaxmem or the benchmarks differ
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--", "jaxmem",
+                                     "benchmarks/*.py"], cwd=ROOT, capture_output=True,
+                                    text=True, check=True).stdout.strip())
     except (OSError, subprocess.CalledProcessError):
-        commit = None
+        commit, dirty = None, None
     jax_version = subprocess.run([sys.executable, "-c", "import jax; print(jax.__version__)"],
                                  capture_output=True, text=True).stdout.strip()
     return {"command": "python -m benchmarks.first_call " + " ".join(sys.argv[1:]),
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "git_commit": commit, "jax": jax_version}
+            "git_commit": commit, "git_dirty": dirty, "jax": jax_version}
 
 
 def _peak(runs: list[dict]) -> str:
