@@ -426,6 +426,14 @@ def test_python_the_search_will_need_runs_while_a_plan_compiles(monkeypatch):
     done.clear()
     c.beside(task("d", finish=True))
     assert c._compile("s") == "exe of s" and ran[-3:] == ["p1", "p2", "d"]
+    # a task that raises is work ahead of its need: the compile goes on, the next task runs
+
+    def raises():
+        raise RuntimeError("analysis failed (test)")
+    done.clear()
+    c.beside(raises)
+    c.beside(task("e", finish=True))
+    assert c._compile("t") == "exe of t" and ran[-1] == "e" and not c._pending
 
 
 def test_the_first_builtin_made_ahead_is_read_without_a_trace(monkeypatch):

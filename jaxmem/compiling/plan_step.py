@@ -13,6 +13,7 @@ calls run is picked and its verification left to the caller (:mod:`.background`)
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -129,10 +130,10 @@ class _Compiles:
         return fig
 
     def beside(self, task: Callable[[], Any]) -> None:
-        """Run ``task`` (Python the search will need; it raises nothing) while a plan
-        compiles, in the order given: XLA's compile does not hold the GIL, and one compile
-        keeps 1.35 to 1.69 of two CPUs busy (``benchmarks.compile_cores``), so Python
-        beside it costs little of its time."""
+        """Run ``task`` (Python the search may need, memoised where it is read: one that
+        raises is redone there) while a plan compiles, in the order given: XLA's compile
+        does not hold the GIL, and one compile keeps 1.35 to 1.69 of two CPUs busy
+        (``benchmarks.compile_cores``), so Python beside it costs little of its time."""
         self._pending.append(task)
 
     def _compile(self, lowered: Any) -> Any:
@@ -143,7 +144,10 @@ class _Compiles:
         future = pool.submit(measure.compile, lowered)
         pool.shutdown(wait=False)
         while self._pending and not future.done():
-            self._pending.pop(0)()
+            task = self._pending.pop(0)
+            # work ahead of its need: one that raises is redone where it is read
+            with contextlib.suppress(Exception):
+                task()
         return future.result()
 
     def rewritten(self, p: Plan) -> int | None:
