@@ -267,12 +267,12 @@ def _first_far(peak: int | None, error: BudgetError, miss: float | None) -> int 
     :data:`BUILTIN_SPREAD` and not below the lowest peak the search reached by more than
     :data:`MINIMUM_TOLERANCE`: it cannot fit, nor compile within the spread that lets
     the others be compiled, nor (as predicted) lower the error's minimum, so none is
-    compiled (else None). The liveness model's peak
-    of the built-ins per block was at most 18.7% above their compiled peak over the
-    ``benchmarks.prediction --plans`` files (the zoo ResNet at test size, H100 target;
-    ``dots_saveable``, 8.3% at bench size), but 1.52x on the lm1b-width GPT-2 decoder, as
-    its block plan's rewritten step (1.47x, the miss that scales it there); around the
-    whole loss up to 102% above, so a step without blocks is not predicted here.
+    compiled (else None). The liveness model's peak of the built-ins per block was at
+    most 18.7% above their compiled peak over the ``benchmarks.prediction --plans`` files
+    (the zoo ResNet at test size, H100 target; ``dots_saveable``, 8.3% at bench size),
+    but 1.52x on the lm1b-width GPT-2 decoder, as its block plan's rewritten step (1.47x,
+    the miss that scales it there); around the whole loss up to 102% above, so a step
+    without blocks is not predicted here.
     Transformers' ResNet18 (bench size, H100 target, budget 0.5): predicted 196.29 MiB,
     compiled to 183.38 against a budget of 104.18, after the search had reached 183.57
     (6.2 s of the 23.1 s that raised :class:`BudgetError`)."""

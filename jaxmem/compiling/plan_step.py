@@ -140,9 +140,7 @@ class _Compiles:
         """``lowered`` compiled, the pending tasks (:meth:`beside`) run while it is."""
         if not self._pending:
             return measure.compile(lowered)
-        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxmem-compile")
-        future = pool.submit(measure.compile, lowered)
-        pool.shutdown(wait=False)
+        future = _compiling(lowered, "jaxmem-compile")
         while self._pending and not future.done():
             task = self._pending.pop(0)
             # work ahead of its need: one that raises is redone where it is read
@@ -194,10 +192,7 @@ class _Compiles:
         the caller's Python runs beside it (XLA's compile does not hold the GIL)."""
         if self._plain is None and self._plain_ahead is None:
             plain, flat = self._streamed(self.step.plain)
-            lowered = plain.lower(*flat)
-            pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxmem-plain")
-            self._plain_ahead = (plain, flat, pool.submit(measure.compile, lowered))
-            pool.shutdown(wait=False)
+            self._plain_ahead = (plain, flat, _compiling(plain.lower(*flat), "jaxmem-plain"))
 
     def warm(self, plans: list[Plan]) -> int:
         """The rewritten steps' predicted peaks of ``plans`` (:meth:`rewritten`, kept for
@@ -251,6 +246,15 @@ class _Compiles:
         if p.recompute or p.offload:
             return self.kept.get(rewrite_key(p), (None,))[0]
         return self._plain[0] if self._plain is not None else None
+
+
+def _compiling(lowered: Any, name: str) -> concurrent.futures.Future:
+    """``lowered``'s compile started in a thread of its own (named ``name``): the
+    caller's Python runs beside it (XLA's compile does not hold the GIL)."""
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
+    future = pool.submit(measure.compile, lowered)
+    pool.shutdown(wait=False)
+    return future
 
 
 def _check_size(jaxpr: Any, step_equations: int) -> None:
