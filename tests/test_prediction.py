@@ -255,6 +255,60 @@ def test_gpu_max_pooling_computes_its_input_in_its_kernels():
         assert materialised(prog, "cpu")[relu]
 
 
+def test_gpu_convolution_kernel_layout_copies_are_predicted(h100):
+    """XLA:GPU runs convolutions through cuDNN with the kernel output-features major and
+    input-features minor (``o01i``): a kernel argument stored HWIO (flax, haiku, keras) is
+    copied into that layout for the forward convolution, the input gradient's and the
+    update, one OHWI is read as it is. The liveness model adds the copy on the H100 target
+    and not on CPU: the predicted peaks differ by what the compiled ones differ by, the
+    kernel's bytes."""
+    from jaxmem.program import trace
+
+    from jaxmem.analyzing.liveness import liveness, materialised
+
+    def step_for(rhs):
+        dn = ("NHWC", rhs, "NHWC")
+
+        def loss(k, x):
+            y = jax.lax.conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=dn)
+            y = jax.lax.conv_general_dilated(jax.numpy.tanh(y), k, (1, 1), "SAME",
+                                             dimension_numbers=dn)
+            return jax.numpy.sum(jax.numpy.tanh(y))
+
+        return lambda k, x: k - 0.1 * jax.grad(loss)(k, x)
+
+    kernels = {"HWIO": (3, 3, 16, 16), "OHWI": (16, 3, 3, 16)}
+    compiled, predicted, on_cpu = {}, {}, {}
+    for rhs, shape in kernels.items():
+        args = targets.place((jax.ShapeDtypeStruct(shape, jax.numpy.float32),
+                              jax.ShapeDtypeStruct((4, 8, 8, 16), jax.numpy.float32)), h100)
+        step = step_for(rhs)
+        exe = measure.compile(jax.jit(step, donate_argnums=0).lower(*args))
+        compiled[rhs] = measure.figures(exe).peak
+        prog = trace(step, *args)
+        predicted[rhs] = liveness(prog, donated=(0,), platform="cuda")[0]
+        on_cpu[rhs] = liveness(prog, donated=(0,), platform="cpu")[0]
+    kernel = 4 * 3 * 3 * 16 * 16
+    assert compiled["HWIO"] - compiled["OHWI"] == kernel
+    assert predicted["HWIO"] - predicted["OHWI"] == kernel
+    assert on_cpu["HWIO"] == on_cpu["OHWI"]
+    # the input gradient's reversed kernel is folded into cuDNN's backward-input
+    # convolution on XLA:GPU (fusion.folds_into_conv), stored on XLA:CPU
+    (rev,) = [n.outputs[0] for n in prog.nodes if n.primitive == "rev"]
+    assert not materialised(prog, "cuda")[rev] and materialised(prog, "cpu")[rev]
+    assert fusion.conv_operand_copies(
+        {"dimension_numbers": jax.lax.ConvDimensionNumbers((0, 3, 1, 2), (3, 2, 0, 1),
+                                                           (0, 3, 1, 2))}, "cuda") == (False, True)
+
+
+def test_temporaries_are_aligned_as_xla_places_them():
+    """XLA places each temporary at an aligned offset of its temp allocation (XLA:GPU 256
+    bytes, XLA:CPU 64; read from the buffer assignment's offsets)."""
+    assert [fusion.aligned_bytes(n, "cuda") for n in (1, 256, 257)] == [256, 256, 512]
+    assert [fusion.aligned_bytes(n, "cpu") for n in (36, 64, 100)] == [64, 64, 128]
+    assert fusion.aligned_bytes(100, "tpu") == 100
+
+
 def test_gpu_split_k_pads_and_partials_are_predicted_exactly(h100):
     """XLA:GPU splits the contraction of a matmul whose output has too few tiles for the
     device (``SplitkRewriter``): ``[64, 5001] @ [5001, 64]`` is split 32 ways, both operands

@@ -19,7 +19,10 @@ import numpy as np
 from jaxmem import _jax
 from jaxmem.analyzing.fusion import (
     COPIES_OPERANDS,
+    aligned_bytes,
+    conv_operand_copies,
     expansion_bytes,
+    folds_into_conv,
     folds_into_dot,
     fuses_into_gemm,
     is_expensive,
@@ -125,7 +128,9 @@ def buffers(program: Program, platform: str = "cpu", *, fold_dots: bool = True
         held = False
         for i in rd:
             u = program.nodes[i]
-            if gemm and u.primitive == "dot_general":
+            if (gemm and u.primitive == "dot_general") or (  # fusion.folds_into_conv:
+                    u.primitive == "conv_general_dilated" and u.inputs[1:2] == (v.id,)
+                    and folds_into_conv(node.primitive, platform)):  # the kernel itself
                 continue
             if avail and u.primitive == "dot_general" and _pads(program, u, platform, padded):
                 continue  # computed in the fusion that pads it (split_k_bytes)
@@ -227,6 +232,33 @@ def _upcasts(program: Program, position: dict[int, int], delta: np.ndarray,
     for v, (a, b) in span.items():
         delta[a] += size[v]
         delta[b + 1] -= size[v]
+
+
+def _layout_copies(program: Program, position: dict[int, int], last: dict[int, int],
+                   delta: np.ndarray, platform: str) -> None:
+    """Add the copies XLA makes of arguments read by convolutions in another layout
+    (:func:`jaxmem.analyzing.fusion.conv_operand_copies`): one per argument, read through
+    ``rev`` too (the input gradient's convolution reads the reversed kernel, which XLA's
+    cuDNN rewrite folds into the copy), live from its first convolution to the argument's
+    last reader (the optimizer's update reads the parameter through the copy)."""
+    span: dict[int, list[int]] = {}
+    for n in program.nodes:
+        if n.primitive != "conv_general_dilated" or n.eqn is None or len(n.inputs) < 2:
+            continue
+        for v, copied in zip(n.inputs[:2], conv_operand_copies(n.eqn.params, platform),
+                             strict=True):
+            producer = program.values[v].producer
+            if producer is not None and program.nodes[producer].primitive == "rev":
+                v = program.nodes[producer].inputs[0]
+            if not copied or program.values[v].producer is not None:
+                continue
+            p = position[n.index]
+            s = span.setdefault(v, [p, p])
+            s[0], s[1] = min(s[0], p), max(s[1], p)
+    for v, (a, b) in span.items():
+        size = aligned_bytes(program.values[v].nbytes, platform)
+        delta[a] += size
+        delta[max(b, last.get(v, b)) + 1] -= size
 
 
 _LAYOUT = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim"})
@@ -361,15 +393,20 @@ def liveness(program: Program, *, count_inputs: bool = True,
     made = order.made_at(late)
     steps = len(order.order)
     delta = np.zeros(steps + 2, dtype=np.int64)
+    outs = set(program.outputs)
     for v in values:
         if v.producer is None or not mat[v.id] or v.id in aliased:
             continue
         if device_only and "Host" in str(v.memory_space):
             continue
         start = made.get(v.id, order.position[v.producer])
-        delta[min(start, steps)] += v.nbytes
-        delta[max(last.get(v.id, start), start) + 1] -= v.nbytes
+        # A temporary is placed at an aligned offset of XLA's temp allocation; an output
+        # has a buffer of its own.
+        size = v.nbytes if v.id in outs else aligned_bytes(v.nbytes, platform)
+        delta[min(start, steps)] += size
+        delta[max(last.get(v.id, start), start) + 1] -= size
     _upcasts(program, order.position, delta, platform)
+    _layout_copies(program, order.position, last, delta, platform)
     live = np.cumsum(delta)[:max(steps, 1)]
     for n in nodes:
         at = min(order.position[n.index], len(live) - 1)
