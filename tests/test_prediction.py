@@ -301,6 +301,38 @@ def test_gpu_convolution_kernel_layout_copies_are_predicted(h100):
                                                            (0, 3, 1, 2))}, "cuda") == (False, True)
 
 
+def test_gpu_max_pooling_gradient_expansion_is_predicted(h100):
+    """XLA:GPU expands max-pooling's gradient into a window argmax (a variadic
+    reduce-window: the maximum and one s32 index per dimension, of the pooled shape) and a
+    scatter: into the result's own buffer where no window starts before the operand, else
+    into a zeroed copy of the padded operand, sliced out after the indices are dead. The
+    liveness model gives the compiled peak of both to within the tuples' pointers: the
+    result a buffer of its own (no low padding), and read by the update of a donated input
+    (low padding, as a train step's gradient is)."""
+    from jax import lax
+    from jaxmem.program import trace
+
+    from jaxmem.analyzing.liveness import liveness
+
+    shape = (8, 32, 32, 16)
+    for pad, donate in ((((0, 0), (0, 1), (0, 1), (0, 0)), ()),
+                        (((0, 0), (1, 1), (1, 1), (0, 0)), (0,))):
+        def pool(x, pad=pad):
+            return lax.reduce_window(x, -jax.numpy.inf, lax.max, (1, 3, 3, 1), (1, 2, 2, 1),
+                                     pad)
+
+        def f(x, ct, pool=pool):
+            return 2.0 * jax.vjp(pool, x)[1](ct)[0]
+
+        out = jax.eval_shape(pool, jax.ShapeDtypeStruct(shape, jax.numpy.float32))
+        args = targets.place((jax.ShapeDtypeStruct(shape, jax.numpy.float32),
+                              jax.ShapeDtypeStruct(out.shape, jax.numpy.float32)), h100)
+        exe = measure.compile(jax.jit(f, donate_argnums=donate).lower(*args))
+        compiled = measure.figures(exe).peak
+        predicted = liveness(trace(f, *args), donated=donate, platform="cuda")[0]
+        assert 0 <= compiled - predicted <= 64, (pad, compiled, predicted)
+
+
 def test_temporaries_are_aligned_as_xla_places_them():
     """XLA places each temporary at an aligned offset of its temp allocation (XLA:GPU 256
     bytes, XLA:CPU 64; read from the buffer assignment's offsets)."""

@@ -27,7 +27,9 @@ the bf16 bytes) lives from the first matmul reading it to the last (:func:`upcas
 XLA:CPU also expands max-pooling's gradient (``select_and_scatter_add``) into an argmax
 over the window: one s32 ``iota`` per dimension of the pooled operand, and a variadic
 reduce-window whose outputs are the window maximum and its position, one s32 index per
-dimension (:func:`expansion_bytes`).
+dimension (:func:`expansion_bytes`). XLA:GPU makes the same argmax (without the iotas)
+and scatters into a zeroed copy of the padded operand where a window starts before it
+(equinox's padded pooling: 18 MiB of the 80 at its BatchNorm CNN's peak).
 
 XLA:GPU's convolutions (cuDNN) take symmetric padding only: for a convolution padded more on
 one side than the other (a stride-2 ``SAME`` convolution of an even-sized image), XLA pads
@@ -179,17 +181,33 @@ def upcast_bytes(primitive: str, dtype: str, nbytes: int, platform: str = "cpu")
 
 
 def expansion_bytes(primitive: str, operand: tuple[int, ...], out: tuple[int, ...],
-                    platform: str = "cpu") -> int:
+                    platform: str = "cpu", padding: tuple = (), itemsize: int = 4,
+                    stored: bool = True) -> int:
     """Working set XLA on ``platform`` adds when it expands ``primitive`` (operand shape
-    ``operand``, result shape ``out``): XLA:CPU's ``select_and_scatter_add`` keeps an s32
-    iota of the operand per dimension and the window maximum with its s32 position per
-    dimension. 0 elsewhere."""
-    if normalise_platform(platform) != "cpu" or primitive != "select_and_scatter_add":
+    ``operand``, result shape ``out``, the pooling's ``padding`` per dimension) beyond the
+    result's own buffer: both expand max-pooling's gradient (``select_and_scatter_add``)
+    into an argmax over the window, a variadic reduce-window whose outputs are the window
+    maximum and its position, one s32 index per dimension. XLA:CPU also keeps an s32 iota
+    of the operand per dimension. XLA:GPU scatters into the result where no window starts
+    before the operand (no low padding); otherwise into a zeroed copy of the padded operand
+    (the scatter in place), sliced into the result after the indices are dead, or into its
+    readers where the result is fused (``stored`` False): read from the compiled modules of
+    pooling gradients on the H100 target. 0 elsewhere."""
+    if primitive != "select_and_scatter_add":
         return 0
     rank = len(operand)
     n_in = int(math.prod(operand))
     n_out = int(math.prod(out))  # the source (window) shape
-    return 4 * (rank * n_in + (rank + 1) * n_out)
+    where = normalise_platform(platform)
+    if where == "cpu":
+        return 4 * (rank * n_in + (rank + 1) * n_out)
+    if where != "cuda":
+        return 0
+    if not any(lo > 0 for lo, _ in padding):
+        return (4 * rank + itemsize) * n_out
+    padded = int(math.prod(d + lo + hi for d, (lo, hi) in zip(operand, padding, strict=True)))
+    indices = 4 * rank * n_out
+    return padded * itemsize + (max(indices - n_in * itemsize, 0) if stored else indices)
 
 
 def padded_bytes(primitive: str, params: dict, lhs_shape: tuple[int, ...], itemsize: int,

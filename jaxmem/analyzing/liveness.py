@@ -416,7 +416,9 @@ def liveness(program: Program, *, count_inputs: bool = True,
             live[at] += _split_k_transient(program, n, platform)
         elif n.primitive == "select_and_scatter_add" and len(n.inputs) >= 2:
             src, operand = (values[v].shape for v in n.inputs[:2])
-            live[at] += expansion_bytes(n.primitive, operand, src, platform)
+            live[at] += expansion_bytes(
+                n.primitive, operand, src, platform, n.eqn.params.get("padding", ()),
+                np.dtype(values[n.inputs[1]].dtype).itemsize, mat[n.outputs[0]])
     base = arg_bytes + passthrough
     # per node, in program order: the live bytes at its place in the run order
     series = np.asarray([live[min(order.position[n.index], len(live) - 1)] for n in nodes],
