@@ -248,7 +248,8 @@ def _layout_copies(program: Program, position: dict[int, int], last: dict[int, i
         for v, copied in zip(n.inputs[:2], conv_operand_copies(n.eqn.params, platform),
                              strict=True):
             producer = program.values[v].producer
-            if producer is not None and program.nodes[producer].primitive == "rev":
+            if producer is not None and folds_into_conv(program.nodes[producer].primitive,
+                                                        platform):
                 v = program.nodes[producer].inputs[0]
             if not copied or program.values[v].producer is not None:
                 continue
