@@ -467,4 +467,39 @@ def test_the_first_builtin_made_ahead_is_read_without_a_trace(monkeypatch):
     monkeypatch.setattr(type(s), "loss", lambda self, *a: asked.append(a))
     error = BudgetError("missed (test)", 100, first.peak)
     fits, lowest, far = bf._fitting_builtins(error, s, None, first)
-    assert far == first.peak and not fits and lowest == first.peak and not asked
+    assert far is not None and far[0] == first.peak and "per block" in far[1]
+    assert not fits and lowest == first.peak and not asked
+
+
+def test_a_step_without_blocks_does_not_compile_whole_loss_builtins_predicted_far_over():
+    """``builtin_fallbacks._whole_far``: the whole-loss ``dots_saveable`` built-in of a step
+    without blocks is not compiled where its liveness peak over WHOLE_OVER is above the
+    budget by more than WHOLE_SPREAD and the search's minimum is a prediction (or not
+    above that bound); otherwise it is (None)."""
+    from types import SimpleNamespace
+
+    from jaxmem.program import from_jaxpr
+
+    from jaxmem.analyzing.liveness import liveness
+    from jaxmem.compiling import builtin_fallbacks as bf
+    from jaxmem.planning.budget import BudgetError
+
+    def loss(w, x):
+        return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+    w, x = jnp.ones((64, 64)), jnp.ones((32, 64))
+    traced = jax.jit(jax.grad(loss)).trace(w, x)
+    step = SimpleNamespace(donate_flat=(), platform="cpu")
+    peak = liveness(from_jaxpr(traced.jaxpr), donated=(), platform="cpu")[0]
+    far = int(peak / bf.WHOLE_OVER / (1 + bf.WHOLE_SPREAD)) - 1   # just under: ruled out
+
+    def error(requested, minimum, predicted):
+        return BudgetError("missed (test)", requested, minimum, minimum_predicted=predicted)
+
+    assert bf._whole_far(traced, step, error(far, 10**9, True), None) == peak
+    assert bf._whole_far(traced, step, error(far + 2, 10**9, True), None) is None
+    # a compiled minimum it may go below is worth its compile; one it cannot is not
+    assert bf._whole_far(traced, step, error(far, 10**9, False), None) is None
+    assert bf._whole_far(traced, step, error(far, 1, False), None) == peak
+    # the search's smallest miss under 1 scales the prediction down
+    assert bf._whole_far(traced, step, error(far, 10**9, True), 0.5) is None

@@ -865,3 +865,49 @@ def test_a_kept_executable_is_only_reused_for_the_same_program():
     assert kept.same(jax.jit(f), flat)
     assert not kept.same(jax.jit(f, donate_argnums=0), flat)
     assert not kept.same(jax.jit(lambda x, y: x * 3 + y), flat)
+
+
+def test_a_ranked_search_that_cannot_fit_reports_its_predicted_minimum_without_compiling_it():
+    """Every plan ruled out by prediction (each rewritten step over REWRITTEN_OVER times the
+    budget in the liveness model; greedy's lowest plan over it in the cost model): none is
+    compiled only for the error's minimum, which is the lowest rewritten step predicted,
+    above the budget and marked ``minimum_predicted``; the exhaustive search compiles the
+    plans, and its minimum is a compiled peak."""
+    from jaxmem.measure import Figures
+
+    from jaxmem.planning.budget.ranked_blocks import REWRITTEN_OVER
+    from jaxmem.planning.strategies import plan_auto
+
+    step, args = _mlp(depth=6, batch=256)
+    a = from_program(jaxmem.trace(step, *args))
+    m = CostModel(a, "cpu")
+    budget = a.argument_bytes + 1
+    asked: list[int] = []
+
+    def rewritten(plan):   # far above the budget, lower the more a plan drops
+        r = int(2 * REWRITTEN_OVER * budget + m.evaluate(plan.recompute, plan.offload).peak)
+        asked.append(r)
+        return r
+
+    def run(search):
+        seen = []
+
+        def fake_compile(plan):
+            seen.append(plan)
+            peak = int(1.5 * m.evaluate(plan.recompute, plan.offload).peak)
+            return Figures(argument=peak, output=0, temp=0, alias=0, flops=1.0)
+
+        with pytest.raises(BudgetError) as e:
+            plan_with_budget(a, budget, auto=plan_auto(a), compile_plan=fake_compile,
+                             solver="greedy", max_compiles=6, search=search,
+                             rewritten=rewritten)
+        return e.value, seen
+
+    ranked, seen_r = run("ranked")
+    assert [p for p in seen_r if p.recompute] == [], "a plan compiled only for the minimum"
+    assert ranked.minimum_predicted and ranked.minimum_bytes == min(asked)
+    assert ranked.minimum_bytes > budget and "predicts" in str(ranked)
+    exhaustive, seen_e = run("exhaustive")
+    assert not exhaustive.minimum_predicted and any(p.recompute for p in seen_e)
+    assert exhaustive.minimum_bytes == min(
+        int(1.5 * m.evaluate(p.recompute, p.offload).peak) for p in seen_e)

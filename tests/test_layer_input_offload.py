@@ -81,9 +81,10 @@ def test_offloaded_input_goes_below_full_remat_on_the_h100_target(gpt_h100):
 
 @pytest.fixture(scope="module")
 def save_recompute_floor(gpt_h100):
-    """The lowest compiled peak jaxmem's budget search reaches with save and recompute
-    alone (no offload): its ``BudgetError`` under a budget just above the arguments, the
-    scan-body policies and the residual search both tried."""
+    """The lowest peak jaxmem's budget search reaches with save and recompute alone (no
+    offload; compiled, or predicted where it ruled every plan out by prediction): its
+    ``BudgetError`` under a budget just above the arguments, the scan-body policies and the
+    residual search both tried."""
     from jaxmem.planning.budget import BudgetError
 
     w, args, _ = gpt_h100

@@ -391,8 +391,9 @@ def _within_budget(options: Options, analysis: Analysis, step: Step, auto: Plan,
             raise BudgetError(
                 f"no plan fits the budget {measure.fmt_bytes(budget)} with the optimizer "
                 f"state streamed from host memory ({window} group(s) in flight): the lowest "
-                f"compiled peak jaxmem reached is {measure.fmt_bytes(low)}. Try a smaller "
-                "batch or a larger budget.", budget, low) from e
+                f"{'predicted' if e.minimum_predicted else 'compiled'} peak jaxmem reached "
+                f"is {measure.fmt_bytes(low)}. Try a smaller batch or a larger budget.",
+                budget, low, minimum_predicted=e.minimum_predicted) from e
 
     try:
         plan, stream_state = state_offload.with_budget(

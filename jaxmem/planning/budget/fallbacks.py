@@ -63,9 +63,9 @@ class Found:
     device_peak: int | None = None
     note: str | None = None
     time: float = 0.0          # predicted extra step time, seconds (block offload)
-    # (depth, plan): the block plan to compile for the lowest peak reached, left to the
-    # caller (``ranked_block_plan``'s ``rival``: a plan predicted lower is compiled first)
-    deferred: tuple[int, Plan] | None = None
+    # (peak, plan): the lowest rewritten-step peak of the block plans ruled out by
+    # prediction, none compiled (``ranked_block_plan``): for a BudgetError's minimum
+    predicted: tuple[int, Plan] | None = None
 
 
 @dataclasses.dataclass

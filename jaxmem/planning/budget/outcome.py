@@ -128,12 +128,21 @@ def finish_block_offload(basis: Basis, found: Found, compiles: int) -> Plan:
     ).with_figures(fig, basis.base_fig)
 
 
-def no_fit(basis: Basis, lowest: int, compiles: int, allow_off: bool) -> BudgetError:
-    """The error when no plan fits: the lowest peak reached, and what to try."""
+def no_fit(basis: Basis, lowest: int, compiles: int, allow_off: bool,
+           predicted: tuple[int, str] | None = None) -> BudgetError:
+    """The error when no plan fits: the lowest peak reached (``predicted``: a plan ruled
+    out by prediction, not compiled, predicted below it: ``(peak, what)``), and what to
+    try."""
+    reached = (f"the lowest peak jaxmem reached is {fmt_bytes(lowest)}" if predicted is None
+               else f"the lowest peak jaxmem predicts is {fmt_bytes(predicted[0])} "
+                    f"({predicted[1]}'s rewritten step, not compiled: every plan left was "
+                    f"predicted above the budget by more than the model's error; the lowest "
+                    f"compiled is {fmt_bytes(lowest)}. Budget(..., search=\"exhaustive\") "
+                    "compiles them all)")
     return BudgetError(
-        f"no plan fits the budget {fmt_bytes(basis.requested)}: the lowest peak jaxmem "
-        f"reached is {fmt_bytes(lowest)} (plain jit: {fmt_bytes(basis.plain)}; "
-        f"{compiles} compiles). Try offload=True to park residuals in host memory"
+        f"no plan fits the budget {fmt_bytes(basis.requested)}: {reached} "
+        f"(plain jit: {fmt_bytes(basis.plain)}; {compiles} compile{'s' * (compiles != 1)}). "
+        "Try offload=True to park residuals in host memory"
         + (" (already on)" if allow_off else "")
         + ", offload_state=\"auto\" to keep the optimizer state there between steps "
         "where the budget needs it (host memory is used only where asked: pinned memory is "
@@ -141,4 +150,5 @@ def no_fit(basis: Basis, lowest: int, compiles: int, allow_off: bool) -> BudgetE
         + ", jaxmem.chunked for a bottleneck layer (a wide MLP, an LM head), a smaller "
         "batch, or a larger budget."
         + "".join(f" {n}." for n in basis.notes if " not compiled: " in n),
-        basis.requested, lowest)
+        basis.requested, lowest if predicted is None else predicted[0],
+        minimum_predicted=predicted is not None)

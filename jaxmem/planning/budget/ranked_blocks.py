@@ -169,8 +169,7 @@ class _Rewritten:
 def ranked_block_plan(model: CostModel, analysis: Analysis, requested: int,
                       compile_plan: Callable[[Plan], Figures], *, ratio: float = 1.0,
                       max_compiles: int = RANKED_BLOCK_COMPILES,
-                      rewritten: Callable[[Plan], int | None] | None = None,
-                      rival: Callable[[], int | None] | None = None) -> Found:
+                      rewritten: Callable[[Plan], int | None] | None = None) -> Found:
     """The block plans of :func:`~jaxmem.planning.budget.fallbacks.block_variants`, ranked
     by the cost model (:func:`~jaxmem.planning.budget.fallbacks.predicted_peak`) instead
     of all compiled: the one with the fewest recompute FLOPs among those predicted to fit
@@ -192,10 +191,9 @@ def ranked_block_plan(model: CostModel, analysis: Analysis, requested: int,
     within the budget come first (:meth:`_Rewritten.pick`); a plan whose rewritten step is
     not is still compiled where no other is, unless it is predicted above the budget by
     more than :data:`REWRITTEN_OVER` (not compiled, and the least the model's miss on it
-    can be raises ``ratio``; where that rules out every plan compiled, the one with the
-    lowest rewritten step is compiled after all, for the lowest peak reached, unless
-    ``rival()``, the predicted peak of the caller's other plan for the lowest peak (asked
-    only then), is lower: then it is left to the caller, :attr:`Found.deferred`); the
+    can be raises ``ratio``; where that rules out every plan, none is compiled for the
+    lowest peak reached: the lowest of their rewritten steps' peaks and its plan are
+    :attr:`Found.predicted`, for the caller's :class:`BudgetError`); the
     re-save is sized by the re-saved plan's rewritten step (:func:`_resaved_rewritten`). The
     cost model does not see a block plan's regions re-created side by side and under-predicts
     every one (the H100 target, bench size, 60 block plans of five steps: by 10% to 57%;
@@ -246,11 +244,9 @@ def ranked_block_plan(model: CostModel, analysis: Analysis, requested: int,
             misses.append(fig.peak / pred)
             ratio = max(ratio, fig.peak / pred)
     if not c.tried and rw.ruled:
-        deferred = _for_the_lowest(c, rw, rival)
-        if deferred is not None:
-            return Found(None, None, c.compiles, c.lowest, deferred=deferred)
-    elif (not c.fitting and c.tried and analysis.platform != "cpu"
-          and rw.unfenced_may_lower(c.lowest_tried()[2])):
+        return Found(None, None, c.compiles, c.lowest, predicted=_for_the_lowest(rw))
+    if (not c.fitting and c.tried and analysis.platform != "cpu"
+            and rw.unfenced_may_lower(c.lowest_tried()[2])):
         _unfenced(analysis, c, lowest_only=True)
     n = c.compiles
     if not c.fitting:
@@ -267,26 +263,12 @@ def ranked_block_plan(model: CostModel, analysis: Analysis, requested: int,
     return Found(blk2, fig2, n + k, c.lowest)
 
 
-def _for_the_lowest(c: _Checked, rw: _Rewritten, rival: Callable[[], int | None] | None
-                    ) -> tuple[int, Plan] | None:
-    """None fits and none was compiled: the block plan whose rewritten step is predicted
-    lowest is, once, so that a BudgetError's minimum is the lowest peak a block plan
-    reaches (transformers' GPT-2 small at bench size, H100 target, budget 0.5: every block
-    plan ruled out, the error's minimum was the plain step's 2.80 GiB where a block plan
-    reaches 2.10); unless ``rival()`` (the predicted peak of the caller's other plan for
-    the lowest peak: greedy's lowest; built and analysed only here) is lower: then
-    ``(depth, plan)`` is returned, for the caller to compile where it does not compile
-    that one."""
-    low, depth, p = min(rw.ruled, key=lambda t: (t[0], t[2].recompute_flops))
-    rival = rival() if rival is not None else None
-    if rival is not None and rival < low:
-        debug(f"(blocks, depth {depth}, {p.strategy}): not compiled for the lowest peak "
-              f"reached, its rewritten step predicted {fmt_bytes(low)}, above the rival's "
-              f"{fmt_bytes(rival)}")
-        return depth, p
-    debug(f"(blocks, depth {depth}, {p.strategy}): compiled for the lowest peak reached")
-    c.check(depth, p)
-    return None
+def _for_the_lowest(rw: _Rewritten) -> tuple[int, Plan]:
+    """None fits and none was compiled, every block plan ruled out by its rewritten step
+    (:data:`REWRITTEN_OVER`): the lowest of those steps' predicted peaks and its plan, for
+    the caller's :class:`BudgetError` minimum (not compiled here)."""
+    low, _, p = min(rw.ruled, key=lambda t: (t[0], t[2].recompute_flops))
+    return low, p
 
 
 def _resaved_rewritten(blk: Plan, fig: Figures, compile_plan: Callable[[Plan], Figures],

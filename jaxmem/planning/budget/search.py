@@ -46,8 +46,8 @@ from jaxmem.planning.budget.fallbacks import (
     debug,
     plan_over,
 )
+from jaxmem.planning.budget.minimum import lowest_reached, rewritten_over, sets_rewritten
 from jaxmem.planning.budget.ranked_blocks import (
-    MISS_SPREAD,
     REWRITTEN_OVER,
     ranked_block_plan,
     rewritten_rules_out,
@@ -55,8 +55,8 @@ from jaxmem.planning.budget.ranked_blocks import (
 from jaxmem.planning.budget.solvers import greedy
 from jaxmem.planning.budget.solving import Solved, Solving, solve
 from jaxmem.planning.budget.tries import Candidate, Tries
-from jaxmem.planning.budget.units import Budget, BudgetError, TooLargeToCompile, resolve_budget
-from jaxmem.planning.cost_model_plans import plan_from_sets, plan_segments
+from jaxmem.planning.budget.units import Budget, BudgetError, resolve_budget
+from jaxmem.planning.cost_model_plans import plan_segments
 from jaxmem.planning.medl import plan_none
 from jaxmem.planning.plan import Plan
 from jaxmem.xla.measure import Figures, fmt_bytes
@@ -157,15 +157,15 @@ class _Search:
             # step when offloading them does not lower the peak): the budget comes first
             return outcome.tags_not_applied(self.basis, self.forced,
                                             [c.peak for c in self.tries.tried.values()])
-        if best is None and compiled:   # nothing fits: compiled for the lowest peak reached
-            cand = _lowest_reached(self, blk)
-            if isinstance(cand, Found):   # the block plan left for it fits after all
+        if best is None and compiled:   # nothing fits: the lowest peak reached, or predicted
+            cand = lowest_reached(self, blk)
+            if isinstance(cand, Found):   # the block plan compiled for it fits after all
                 return outcome.finish_blocks(self.basis, cand, self.tries.compiles)
             if cand is not None and cand.peak <= self.requested:
                 return outcome.finish_best(self.basis, cand, self.tries.compiles)
         if best is None:
             raise outcome.no_fit(self.basis, self.tries.lowest, self.tries.compiles,
-                                 self.how.allow_off)
+                                 self.how.allow_off, self.tries.predicted)
         return outcome.finish_best(self.basis, best, self.tries.compiles)
 
     def _start(self) -> tuple[Candidate | None, int | None]:
@@ -220,7 +220,7 @@ class _Search:
         "blocks first")."""
         r = (None if (self.rewritten is None or not self.ranked or self.blocks is not None
                       or self.compile_plan is None or self.forced)
-             else _sets_rewritten(self, d, o))
+             else sets_rewritten(self, d, o))
         if r is None or r <= self.requested:
             return False
         note = f"{source} plan's rewritten step predicted at {fmt_bytes(r)}, over the budget"
@@ -235,8 +235,7 @@ class _Search:
         if self.ranked:
             return ranked_block_plan(self.model, self.analysis, self.requested,
                                      self.compile_plan, ratio=self.tries.ratio(),
-                                     rewritten=self.rewritten,
-                                     rival=lambda: _failing_rival(self))
+                                     rewritten=self.rewritten)
         return best_block_plan(self.analysis, self.requested, self.compile_plan)
 
     def _stages(self) -> Iterator[str]:
@@ -331,109 +330,6 @@ def _auto_rewritten_over(s: _Search, auto: Plan) -> bool:
     return True
 
 
-def _lowest_reached(s: _Search, blk: Found | None) -> Candidate | Found | None:
-    """Nothing fits: greedy's lowest plan, ruled out by prediction, compiled so that the
-    error's minimum is the lowest peak jaxmem reaches, not the lowest of the few plans a
-    ranked search compiled (where it may go lower, :func:`_may_go_lower`); the block plan
-    the ranked block search left for the lowest peak (:attr:`Found.deferred`, greedy's
-    lowest predicted lower) compiled where greedy's lowest was not. Greedy's candidate;
-    the block plan as a :class:`Found` where it fits after all (ruled out by its
-    rewritten step, which the lm1b-width GPT-2 decoder's block plan compiled 1.47x
-    below); or None."""
-    cand = None
-    s.failing()
-    if s.lowest_skipped is not None and _may_go_lower(s, *s.lowest_skipped):
-        s.basis.notes.append("greedy's lowest plan compiled after all, for the lowest peak "
-                             "reached")
-        cand = s.tries.check(*s.lowest_skipped, "greedy (lowest)", s.requested)
-    if cand is None and blk is not None and blk.deferred is not None:
-        depth, p = blk.deferred
-        debug(f"(blocks, depth {depth}, {p.strategy}): compiled for the lowest peak reached")
-        try:
-            fig = s.compile_plan(p)
-        except TooLargeToCompile:
-            return None
-        peak = s.device_peak(p, fig)[0]
-        s.tries.add(Found(None, None, 1, peak))
-        if peak <= s.requested:
-            return Found(p, fig, 0, peak)
-    return cand
-
-
-def _may_go_lower(s: _Search, drop: frozenset[int], off: frozenset[int]) -> bool:
-    """Whether ``(drop, off)`` may compile below the lowest peak the search ``s`` reached:
-    its prediction, scaled by the smallest miss (compiled over predicted peak) of the
-    plans this search compiled, is below it (no miss yet: it may). The zoo Llama at
-    bench size, H100 target, budget 0.5: greedy's lowest plan was predicted at 84.1
-    MiB, the search's one miss was 1.52x, a block plan had reached 105.9 MiB; it
-    compiled to 143.9 MiB (18.6 s of the search's 60)."""
-    miss = min(s.tries.misses, default=None)
-    pred = s.model.evaluate(drop, off).peak
-    seen = rewritten_over(s, drop, off, s.tries.lowest)
-    if seen is not None:
-        s.basis.notes.append(f"greedy's lowest plan not compiled: predicted "
-                             f"{fmt_bytes(seen[0])} ({seen[1]}), not below the lowest peak "
-                             f"reached ({fmt_bytes(s.tries.lowest)})")
-        return False
-    if miss is None or pred * miss < s.tries.lowest:
-        return True
-    s.basis.notes.append(
-        f"greedy's lowest plan not compiled: predicted {fmt_bytes(pred)}, "
-        f"{fmt_bytes(pred * miss)} at this search's smallest miss ({miss:.2f}x), not "
-        f"below the lowest peak reached ({fmt_bytes(s.tries.lowest)})")
-    return False
-
-
-def rewritten_over(s: _Search, drop: frozenset[int], off: frozenset[int],
-                   bar: int | None = None) -> tuple[int, str] | None:
-    """Where the ranked search ``s`` puts ``(drop, off)`` over the budget by the
-    rewritten steps' liveness, scaled by the smallest miss (compiled over rewritten peak)
-    of the plans this search compiled less :data:`MISS_SPREAD` (plans of other kinds miss
-    differently); or, given ``bar`` (the lowest peak reached, for the minimum, not a fit),
-    at or above it at that miss itself: ``(that peak, why)``; else None (no plan compiled
-    with its rewritten step predicted yet, or below). The zoo Llama (bench size, H100
-    target, budget 0.5, 94.57 MiB): its block plan's rewritten step was predicted at
-    93.55 MiB and compiled to 106.87 (1.14x); the solver's plan, predicted 111.45 (106.1
-    at 1.14x / 1.2), compiled to 136.72."""
-    miss = s.rewritten_miss() if s.rewritten_miss is not None and s.ranked else None
-    if miss is None or s.rewritten is None or s.compile_plan is None or s.forced:
-        return None
-    r = _sets_rewritten(s, drop, off)
-    scale = miss if bar is not None else miss / MISS_SPREAD
-    bar = s.requested + 1 if bar is None else bar
-    if r is None or r * scale < bar:
-        return None
-    return int(r * scale), (f"its rewritten step's {fmt_bytes(r)} at this step's smallest "
-                            f"miss, {miss:.2f}x" + ("" if scale == miss else
-                                                    f" / {MISS_SPREAD}"))
-
-
-def _failing_rival(s: _Search) -> int | None:
-    """The ranked block search compiles (or leaves) a block plan for the lowest peak:
-    ``s.failing()`` is told, and greedy's lowest plan's rewritten peak is its rival
-    (:func:`_greedy_lowest_rewritten`)."""
-    s.failing()
-    return _greedy_lowest_rewritten(s)
-
-
-def _greedy_lowest_rewritten(s: _Search) -> int | None:
-    """The peak the liveness model predicts for greedy's lowest plan's rewritten step,
-    where the ranked search ``s`` ruled that plan out (compiled after the block plans
-    should nothing fit); None otherwise. Transformers' ResNet18 (bench size, H100 target,
-    budget 0.5): 152.22 MiB, where the lowest block plan's is 155.72; they compile to
-    183.57 and 198.46 MiB, and the block plan was compiled first, only for the lowest peak
-    reached."""
-    if s.lowest_skipped is None or s.rewritten is None:
-        return None
-    return _sets_rewritten(s, *s.lowest_skipped)
-
-
-def _sets_rewritten(s: _Search, drop: frozenset[int], off: frozenset[int]) -> int | None:
-    """``s.rewritten`` of the plan of ``(drop, off)`` as the search compiles it
-    (:meth:`Tries.check`'s ``plan_from_sets``)."""
-    return s.rewritten(plan_from_sets(s.model, drop, off, "budget", "budget"))
-
-
 def plan_with_budget(analysis: Analysis, budget: Any, *, auto: Plan | None = None,
                      compile_plan: Callable[[Plan], Figures] | None = None,
                      compile_plain: Callable[[], Figures] | None = None,
@@ -472,12 +368,13 @@ def plan_with_budget(analysis: Analysis, budget: Any, *, auto: Plan | None = Non
         the solver's plan above the budget, the block plans are tried before it.
       rewritten_miss: ``() -> float or None``, the smallest compiled over rewritten peak
         of the plans compiled so far (:func:`rewritten_over`).
-      failing: called when the search gives up fitting the budget and compiles (or
-        leaves) a plan for the lowest peak it can reach: the caller may prepare what it
-        tries after a :class:`BudgetError` (``jaxmem.optimize``: JAX's built-ins).
+      failing: called when the search gives up fitting the budget (before it compiles a
+        plan for the lowest peak it can reach, where it does): the caller may prepare what
+        it tries after a :class:`BudgetError` (``jaxmem.optimize``: JAX's built-ins).
 
     Raises:
-      BudgetError: if no plan fits; ``.minimum_bytes`` is the lowest peak found.
+      BudgetError: if no plan fits; ``.minimum_bytes`` is the lowest peak found (compiled,
+        or predicted where ``.minimum_predicted``: :data:`TRUSTED_PLAIN_MISS`).
     """
     spec = budget if isinstance(budget, Budget) else Budget(budget)
     return _Search(

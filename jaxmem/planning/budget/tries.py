@@ -83,6 +83,9 @@ class Tries:
         self.points: list[tuple[int, int]] = []     # (model aim, compiled peak)
         self.skipped: list[str] = []                # plans not compiled, and why
         self.misses: list[float] = []               # compiled / predicted peak, each compile
+        # (peak, what): a ruled-out plan's rewritten step predicted below ``lowest``, none
+        # compiled for it (the search's ``_lowest_reached``): the error's minimum
+        self.predicted: tuple[int, str] | None = None
 
     def next_aim(self, requested: int) -> int:
         """:func:`next_aim` from the points so far."""

@@ -35,12 +35,26 @@ class BudgetError(ValueError):
       requested_bytes: the budget, in bytes.
       minimum_bytes: the lowest peak jaxmem found (compiled where it could compile), or a
         lower bound such as the arguments' own size.
+      minimum_predicted: whether ``minimum_bytes`` is a prediction (a plan's rewritten step
+        in the liveness model), not a compiled peak: the ranked search does not compile a
+        plan it predicts above the budget by more than the model's error only to report
+        how low it goes (``Budget(..., search="exhaustive")`` compiles every plan).
     """
 
-    def __init__(self, message: str, requested_bytes: int, minimum_bytes: int) -> None:
+    def __init__(self, message: str, requested_bytes: int, minimum_bytes: int, *,
+                 minimum_predicted: bool = False) -> None:
         super().__init__(message)
         self.requested_bytes = int(requested_bytes)
         self.minimum_bytes = int(minimum_bytes)
+        self.minimum_predicted = bool(minimum_predicted)
+
+    def again(self, message: str, lowest: int | None = None) -> BudgetError:
+        """This error with ``message``, its minimum lowered to ``lowest`` (a compiled
+        peak) where that is lower: still a prediction only where it is not."""
+        low = self.minimum_bytes if lowest is None else min(int(lowest), self.minimum_bytes)
+        return BudgetError(message, self.requested_bytes, low,
+                           minimum_predicted=self.minimum_predicted
+                           and low == self.minimum_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
