@@ -7,7 +7,8 @@ rewritten step the liveness model predicts among the plans ruled out by predicti
 compiled), or, where the model over-predicts the step (:data:`TRUSTED_PLAIN_MISS`) or
 predicts nothing, a plan compiled for it. :func:`rewritten_over` is the rule that rules a
 plan out by its rewritten step: at the step's smallest miss once a plan has compiled, at
-:data:`~jaxmem.planning.budget.ranked_blocks.REWRITTEN_OVER` before.
+:data:`~jaxmem.planning.budget.ranked_blocks.REWRITTEN_OVER` before. Each function reads
+the search it is given, ``s`` (``search._Search``: its tries, model, budget and callbacks).
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def predicted_lowest(s: Any, blk: Found | None) -> tuple[int, str, Plan | None] 
 
 
 def compile_lowest(s: Any, low: tuple[int, str, Plan | None] | None
-                    ) -> Candidate | Found | None:
+                   ) -> Candidate | Found | None:
     """The plan ``low`` names compiled for the lowest peak reached: its block plan (as a
     :class:`Found` where it fits after all: the lm1b-width GPT-2 decoder's block plan
     compiled 1.47x below its rewritten step), else greedy's lowest where it may go lower
@@ -175,8 +176,8 @@ def greedy_lowest_rewritten(s: Any) -> int | None:
     """The peak the liveness model predicts for greedy's lowest plan's rewritten step,
     where the ranked search ``s`` ruled that plan out (the error's minimum where nothing
     fits, :func:`lowest_reached`); None otherwise. Transformers' ResNet18 (bench size,
-    H100 target, budget 0.5): 174.37 MiB, 183.1 at its plain step's miss (1.05x), where
-    the lowest block plan's is 198.32; compiled, greedy's lowest plan reaches 183.57 MiB."""
+    H100 target, budget 0.5): 174.37 MiB, the error's minimum (the lowest block plan's is
+    198.32); compiled (before 2026-12-07), greedy's lowest plan reaches 183.57 MiB."""
     if s.lowest_skipped is None or s.rewritten is None:
         return None
     return sets_rewritten(s, *s.lowest_skipped)
