@@ -172,12 +172,17 @@ def first_builtin(step: Step) -> First:
         traced = jitted.trace(*step.flat)
     except Exception:  # noqa: BLE001 - jax.checkpoint cannot take this loss
         return First(jitted, wrapped, None, None)
+    return First(jitted, wrapped, traced, _traced_peak(traced, step) if wrapped else None)
+
+
+def _traced_peak(traced: Any, step: Step) -> int | None:
+    """The peak the liveness model predicts for a built-in's traced program (``step``'s
+    donation, for its compiler); None where it cannot be analysed (compiled as before)."""
     try:
-        peak = liveness(from_jaxpr(traced.jaxpr), donated=step.donate_flat,
-                        platform=step.platform)[0] if wrapped else None
+        return liveness(from_jaxpr(traced.jaxpr), donated=step.donate_flat,
+                        platform=step.platform)[0]
     except Exception:  # noqa: BLE001 - compiled as before
-        peak = None
-    return First(jitted, wrapped, traced, peak)
+        return None
 
 
 def builtin_within(error: BudgetError, analysis: Analysis, step: Step,
@@ -310,10 +315,8 @@ def _whole_far(traced: Any, step: Step, error: BudgetError, miss: float | None
     for it either) or not above that bound. None otherwise (compiled as before).
     Equinox's BatchNorm CNN (no blocks; bench size, H100 target, budget 0.5, 40.33 MiB):
     predicted 110.98 MiB, compiled to 80.79 (the search's minimum predicted 59.66)."""
-    try:
-        peak = liveness(from_jaxpr(traced.jaxpr), donated=step.donate_flat,
-                        platform=step.platform)[0]
-    except Exception:  # noqa: BLE001 - compiled as before
+    peak = _traced_peak(traced, step)
+    if peak is None:
         return None
     pred = int(peak * min(1.0, miss or 1.0))
     bound = pred / WHOLE_OVER
