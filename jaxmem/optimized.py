@@ -22,7 +22,7 @@ from typing import Any
 import jax
 
 from jaxmem.analyzing.analysis import Analysis
-from jaxmem.compiling import background, plan_cache
+from jaxmem.compiling import background, heap, plan_cache
 from jaxmem.compiling import signature as _signature
 from jaxmem.compiling.build import build
 from jaxmem.compiling.builtin_fallbacks import BUILTIN_POLICIES  # noqa: F401 - re-exported
@@ -179,7 +179,8 @@ class Optimized:
                             self.offload_state, args, kwargs)
         entry = self._cache.get(sig.key)
         if entry is None:
-            entry = build(self, self._options(), self.fn, args, sig, self._warn_once)
+            with heap.frozen():  # the heap before the miss is not walked by gc while it builds
+                entry = build(self, self._options(), self.fn, args, sig, self._warn_once)
             check_same_plan(entry.plan, getattr(self.fn, "__name__", "the step"))  # multihost
             self._cache[sig.key] = entry
         out_tree = entry.analysis.program.out_tree

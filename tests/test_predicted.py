@@ -19,6 +19,7 @@ from jaxmem import measure
 from jaxmem.compiling import choose, predicted
 from jaxmem.compiling.choose import Candidate
 from jaxmem.compiling.options import Options
+from jaxmem.rewriting.symbolic import TooLarge
 from jaxmem.xla.measure import Figures
 from tests._compiles import count_compiles
 
@@ -40,14 +41,16 @@ class _Model:
 def _run(monkeypatch, compiled: dict[str, int], plain_predicted: int = 100,
          plain: int = 100, predictions=(40, 10, 30, 20), rewritten=None,
          min_bytes: int = 0, within: float = 10.0, platform: str = "cpu",
-         too_large: frozenset[str] = frozenset(), crowd: int = 99, growth=None):
+         too_large: frozenset[str] = frozenset(), crowd: int = 99, growth=None,
+         past_limit: frozenset[str] = frozenset()):
     """``predicted.predicted`` over four candidates (predicted 40, 10, 30, 20) with
     synthetic compiled peaks: what was compiled, in order (a group compiled together
     joined by "+"), and what runs. ``within``: ``REWRITTEN_WITHIN`` (default: every
     candidate's rewritten step analysed); ``too_large``: the candidates whose rewrite is
     over ``MAX_REWRITE_GROWTH`` (the reasons the plan's notes get are in ``_run.skipped``);
     ``crowd``: ``CROWD`` (default: no crowd); ``growth``: each rewrite's equations over the
-    step's (default 1.2)."""
+    step's (default 1.2); ``past_limit``: those whose build passes the growth limit (the
+    step has 100 equations)."""
     order: list[str] = []
     events: list[str] = []  # compiles started and rewritten steps analysed, in order
     cands = [Candidate(SimpleNamespace(strategy=n, recompute=p, offload=(), notes=(),
@@ -101,7 +104,12 @@ def _run(monkeypatch, compiled: dict[str, int], plain_predicted: int = 100,
 
     monkeypatch.setattr(predicted, "_Compiles", Compiles)
     monkeypatch.setattr(predicted, "_plain", compile_plain)
-    monkeypatch.setattr(choose, "rewritten_program", lambda c, step: c.plan.strategy)
+    def rewritten_program(c, step, limit=None):
+        if c.plan.strategy in past_limit:   # its build stopped at the growth limit
+            raise TooLarge(limit)
+        return c.plan.strategy
+
+    monkeypatch.setattr(choose, "rewritten_program", rewritten_program)
     monkeypatch.setattr(choose, "rewrite_size", lambda c, step, program=None: (
         "too large (test)" if c.plan.strategy in too_large else None,
         (growth or {}).get(program, 1.2)))
@@ -118,7 +126,7 @@ def _run(monkeypatch, compiled: dict[str, int], plain_predicted: int = 100,
     monkeypatch.setattr(predicted, "_kept", kept)
     monkeypatch.setattr(predicted, "_plain_kept", plain_kept)
     analysis = SimpleNamespace(peak_bytes=plain_predicted, platform=platform)
-    step = SimpleNamespace(platform=platform)
+    step = SimpleNamespace(platform=platform, program=SimpleNamespace(nodes=[None] * 100))
     options = SimpleNamespace(max_recompute_fraction=0.05)
     _run.events = events
     return order, predicted.predicted(SimpleNamespace(donated=(0,)), analysis, step, options)
@@ -186,6 +194,20 @@ def test_a_candidate_too_large_to_compile_is_left_out_and_the_next_best_compiled
                                     too_large=frozenset("d"))
     assert order == ["b", "plain", "c"] and name == "c"
     assert _run.skipped == ["d: too large (test)"]
+
+
+def test_a_rewrite_whose_build_passes_the_growth_limit_is_not_built_further_nor_compiled(
+        monkeypatch):
+    """A candidate's rewritten step is built only up to ``growth_limit`` nodes
+    (``MAX_REWRITE_GROWTH`` times the step's): one that passes it is too large, never
+    analysed nor compiled, and its note says it was not built past the limit."""
+    order, ((name, _, _), _) = _run(monkeypatch, dict(a=60, b=80, c=70, d=75),
+                                    past_limit=frozenset("b"))
+    assert order == ["d"] and name == "d"
+    assert not any(e.endswith(" b") for e in _run.events)   # neither analysed nor started
+    assert _run.skipped == ["b: its rewrite has more than 300 equations, over 3.0x the "
+                            "step's 100 (over MAX_REWRITE_GROWTH=3: XLA's compile time and "
+                            "host memory grow with the program)"]
 
 
 def test_plans_tied_in_the_model_are_compiled_together_and_the_lowest_checked(

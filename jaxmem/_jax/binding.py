@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from jax._src.interpreters import partial_eval as _pe
+
 from jaxmem._jax.avals import _aval_varying, varying_axes
 from jaxmem._jax.jaxprs import JaxprEqn
 
@@ -30,9 +32,7 @@ def staging_rules(primitive: Any) -> tuple[Any, Any]:
     Python scalar becomes a literal, no equation) and its forwarding rule (``eqn ->
     (input index or None per output, eqn or None)``: a ``convert_element_type`` to the same
     type is its input). Either is None where the primitive has none."""
-    from jax._src.interpreters import partial_eval as pe
-
-    return pe.const_fold_rules.get(primitive), pe.forwarding_rules.get(primitive)
+    return _pe.const_fold_rules.get(primitive), _pe.forwarding_rules.get(primitive)
 
 
 def bind(eqn: JaxprEqn, *args: Any) -> list[Any]:

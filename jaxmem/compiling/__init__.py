@@ -18,6 +18,8 @@ calls these in this order):
 And beside them:
 
 - :mod:`~jaxmem.compiling.quick_compile` — compiles that are only read.
+- :mod:`~jaxmem.compiling.heap` — the heap kept out of the collector's walks while a miss
+  is built.
 - :mod:`~jaxmem.compiling.plan_cache` — plans kept across calls, processes and hosts.
 - :mod:`~jaxmem.compiling.multihost` — one plan on every process of a ``jax.distributed`` job.
 - :mod:`~jaxmem.compiling.shard_map`, :mod:`~jaxmem.compiling.scan_budget` — per-device and

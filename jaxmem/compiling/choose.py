@@ -143,12 +143,13 @@ def rewrite_size(cand: Candidate, step: Step, program: Program | None = None
     return too_many(n, of), n / max(of, 1)
 
 
-def rewritten_program(cand: Candidate, step: Step) -> Program:
+def rewritten_program(cand: Candidate, step: Step, limit: int | None = None) -> Program:
     """``cand``'s program as compiled, for the analysis: a rewrite's built without tracing
-    it (:meth:`Step.rewritten`), another's (a built-in policy) traced. Raises what the
-    trace raises."""
+    it (:meth:`Step.rewritten`; ``limit``: raise
+    :class:`~jaxmem.rewriting.symbolic.TooLarge` past that many nodes), another's (a
+    built-in policy) traced. Raises what the trace raises."""
     if cand.rewrites:
-        return step.rewritten(cand.plan)
+        return step.rewritten(cand.plan, limit)
     return from_jaxpr(cand.jitted.trace(*step.flat).jaxpr)
 
 

@@ -220,15 +220,18 @@ class _Replay:
         the re-created copy with the forward one and keep that buffer to the backward pass.
         """
         p = self.p
+        if all(p.values[a].producer is not None for a in anchors):
+            return []   # no step input among them
         readers = [p.nodes[i] for i in nodes]
+        reads = [{v for v in n.inputs if not p.values[v].is_const} for n in readers]
         out = []
         for a in anchors:
             if p.values[a].producer is not None or any(
                     n.kind not in CHEAP for n in readers if a in n.inputs):
                 continue
             made = {a}  # the chain's values made from ``a`` (and constants) alone
-            for n in readers:
-                if all(v in made or p.values[v].is_const for v in n.inputs):
+            for n, r in zip(readers, reads, strict=True):
+                if made.issuperset(r):
                     made.update(n.outputs)
             if not any(p.nodes[u].phase == "forward" for v in made - {a}
                        for u in p.users.get(v, ())):

@@ -236,20 +236,30 @@ def _dtype_name(dtype: Any) -> str:
         return str(dtype)
 
 
+def _figures(aval: Any) -> tuple[tuple[int, ...], str, int, str | None]:
+    """A value's shape, dtype's name, bytes (per device) and memory space, from its type."""
+    space = _jax.aval_memory_space(aval)
+    return (tuple(getattr(aval, "shape", ())), _dtype_name(getattr(aval, "dtype", "")),
+            P.nbytes(aval), None if space is None else str(space))
+
+
 class _Builder:
     def __init__(self) -> None:
         self.values: list[Value] = []
         self.nodes: list[Node] = []
         self.unknown: dict[str, None] = {}
+        self._typed: dict[Any, tuple[Any, ...]] = {}   # aval -> its value's figures
 
     def value(self, aval: Any, producer: int | None, **kw: Any) -> int:
         vid = len(self.values)
-        space = _jax.aval_memory_space(aval)
-        self.values.append(Value(
-            id=vid, shape=tuple(getattr(aval, "shape", ())),
-            dtype=_dtype_name(getattr(aval, "dtype", "")),
-            nbytes=P.nbytes(aval), producer=producer, aval=aval,
-            memory_space=None if space is None else str(space), **kw))
+        try:   # worked out once per type (a program has few; it makes many values)
+            shape, dtype, nbytes, space = self._typed[aval]
+        except KeyError:
+            shape, dtype, nbytes, space = self._typed[aval] = _figures(aval)
+        except TypeError:   # an unhashable aval
+            shape, dtype, nbytes, space = _figures(aval)
+        self.values.append(Value(id=vid, shape=shape, dtype=dtype, nbytes=nbytes,
+                                 producer=producer, aval=aval, memory_space=space, **kw))
         return vid
 
     def literal(self, lit: Any) -> int:
