@@ -7,15 +7,16 @@ of them are allocated CPython's collector walks its generations; its full collec
 everything the process holds: the user's model, JAX's caches, the traced jaxprs.
 :func:`frozen` moves the objects that exist when a build starts into the collector's
 permanent generation (:func:`gc.freeze`) and back when it ends (:func:`gc.unfreeze`):
-objects made during the build are collected as before, none that existed before are
-scanned, and nothing is kept that would otherwise be freed (the collector is not turned
-off; host memory is unchanged).
+objects made during the build are collected as before; those that existed before are not
+scanned, so one of them that becomes cyclic garbage during the build is freed after it
+(the collector is not turned off; host memory is unchanged).
 
-Measured (``python -m benchmarks.first_call --target h100 --modes plain,cold``, before and
-after; docs/first_call.md, "The collector's walks of the heap"): on transformers'
-ResNet18, the candidates' rewritten steps took 3.48 s to build and analyse with the
-collector walking the heap and 2.37 s frozen, the plan's compile starting 1.5 s sooner, the
-process's peak host memory the same (1143 and 1142 MiB).
+Measured (``python -m benchmarks.planning_phases --model corpus:tx_resnet18_ts --size
+bench --target h100 --heap both --repeat 3``; docs/first_call.md, "The collector's walks of
+the heap"): transformers' ResNet18's twelve candidates' rewritten steps took 3.36 s to
+build and analyse with the heap walked and 2.04 s frozen, the plan's compile starting
+6.34 s and 4.55 s into the first call, the process's peak host memory 1147 and 1118 MiB
+(turning the collector off instead cut as much time and grew it by 66 MiB).
 
 Where the caller froze objects itself (:func:`gc.get_freeze_count` is not 0), or turned
 the collector off, nothing is done: :func:`gc.unfreeze` would release its objects too.
