@@ -30,25 +30,21 @@ class RewrittenPeaks:
         self.skipped: list[str] = []
         self._held: dict[int, Any] = {}   # programs sized whose peak is not read yet
 
-    def _program(self, i: int) -> Any:
+    def _build(self, i: int) -> tuple[Any, str | None, float]:
         """Candidate ``i``'s rewritten program (None where it cannot be built or traced
-        here), held from its sizing until its peak is read (both from one build). A
-        rewrite is built only up to :func:`~jaxmem.compiling.steps.growth_limit` nodes:
-        past it, it is too large to compile (:meth:`too_large`) whatever its size (MEDL's
-        unregioned plan of GPT-2 small is 4.7x the step; built in full, 2.1 s)."""
-        if i not in self._held:
-            try:
-                of = len(self.step.program.nodes)
-                self._held[i] = choose.rewritten_program(self.cands[i], self.step,
-                                                         growth_limit(of))
-            except TooLarge as e:   # not built past the limit
-                self._held[i] = None
-                self.sizes[i] = too_many(e.limit, of, more=True)
-                self._growth[i] = e.limit / max(of, 1)
-                self.skipped.append(f"{self.cands[i].plan.strategy}: {self.sizes[i]}")
-            except Exception:  # noqa: BLE001 - not ranked; compiled as before (it says why)
-                self._held[i] = None
-        return self._held[i]
+        here), why it is too large to compile (None where it is not), and its equations
+        over the step's. A rewrite is built only up to
+        :func:`~jaxmem.compiling.steps.growth_limit` nodes: past it, it is too large
+        whatever its size (MEDL's unregioned plan of GPT-2 small is 4.7x the step; built in
+        full, 2.1 s)."""
+        try:
+            of = len(self.step.program.nodes)
+            program = choose.rewritten_program(self.cands[i], self.step, growth_limit(of))
+        except TooLarge as e:   # not built past the limit
+            return None, too_many(e.limit, of, more=True), e.limit / max(of, 1)
+        except Exception:  # noqa: BLE001 - not ranked; compiled as before (it says why)
+            return None, None, 0.0
+        return (program, *choose.rewrite_size(self.cands[i], self.step, program))
 
     def growth(self, i: int) -> float:
         """Candidate ``i``'s rewritten program's equations over the step's (0.0 where it
@@ -58,20 +54,17 @@ class RewrittenPeaks:
 
     def too_large(self, i: int) -> bool:
         if i not in self.sizes:
-            program = self._program(i)   # (sizes one whose build passed the limit)
-            if i not in self.sizes:
-                why, self._growth[i] = ((None, 0.0) if program is None else
-                                        choose.rewrite_size(self.cands[i], self.step, program))
-                if why is not None:
-                    self.skipped.append(f"{self.cands[i].plan.strategy}: {why}")
-                    self._held.pop(i)   # never analysed
-                self.sizes[i] = why
+            program, why, self._growth[i] = self._build(i)
+            if why is not None:
+                self.skipped.append(f"{self.cands[i].plan.strategy}: {why}")
+            else:   # held until its peak is read (never analysed where too large)
+                self._held[i] = program
+            self.sizes[i] = why
         return self.sizes[i] is not None
 
     def __call__(self, i: int) -> int | None:
         if i not in self.known:
-            program = None if self.too_large(i) else self._program(i)
+            program = None if self.too_large(i) else self._held.pop(i)   # not held after
             self.known[i] = None if program is None else choose.rewritten_peak(
                 self.cands[i], self.step, self.platform, program)
-            self._held.pop(i, None)   # its figures are known: not held
         return self.known[i]
