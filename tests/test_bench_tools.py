@@ -1,13 +1,13 @@
 """The benchmarks' own helpers: the step loader of the child processes, the parser of
-XLA's pass timers, the compile-cores table and the causes of ranking disagreements
-(benchmarks.workload, benchmarks.compile_phases, benchmarks.compile_cores,
-benchmarks.ranking_disagreements)."""
+XLA's pass timers, the compile-cores table, the causes of ranking disagreements and the
+barriers XLA cut (benchmarks.workload, benchmarks.compile_phases, benchmarks.compile_cores,
+benchmarks.ranking_disagreements, benchmarks.barrier_ties)."""
 
 from __future__ import annotations
 
 import jax
 
-from benchmarks import compile_cores, compile_phases, workload
+from benchmarks import barrier_ties, compile_cores, compile_phases, workload
 
 
 def test_load_gives_a_zoo_step_with_its_arguments():
@@ -290,3 +290,34 @@ def test_split_k_sets_the_compiled_split_and_peak_beside_the_models():
     r = split_k.row(targets.require("h100"), "dx", 256, 768, 50257, "float32")
     assert r["split_compiled"] == r["split_model"] == 16
     assert r["compiled"] - r["predicted"] == 256 * 768 * 4
+
+
+_LOWERED = """HloModule jit_run
+%fused (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %n = f32[4]{0} negate(%p)
+}
+ENTRY %main (a: f32[4], b: f32[4]) -> f32[4] {
+  %a = f32[4]{0} parameter(0)
+  %b = f32[4]{0} parameter(1)
+  %t.1 = (f32[4]{0}, f32[4]{0}) tuple(%a, %b)
+  %optimization_barrier.1 = (f32[4]{0}, f32[4]{0}) opt-barrier(%t.1), metadata={op_name="x"}
+  %t.2 = (f32[4]{0}, f32[4]{0}, f32[4]{0}) tuple(%a, %b, %b)
+  %optimization_barrier.2 = (f32[4]{0}, f32[4]{0}, f32[4]{0}) opt-barrier(%t.2)
+  ROOT %g = f32[4]{0} get-tuple-element(%optimization_barrier.1), index=0
+}
+"""
+
+
+def test_barrier_ties_counts_the_barriers_whose_operands_xla_cut():
+    # as scheduled: the first barrier (renamed with XLA's ``.0``) lost its tie, the
+    # second kept its three operands
+    scheduled = (_LOWERED.replace("%t.1 = (f32[4]{0}, f32[4]{0}) tuple(%a, %b)",
+                                  "%t.1 = (f32[4]{0}) tuple(%a)")
+                 .replace("%optimization_barrier.1 = (f32[4]{0}, f32[4]{0})",
+                          "%optimization_barrier.1.0 = (f32[4]{0})"))
+    assert barrier_ties.barrier_widths(_LOWERED) == {"optimization_barrier.1": 2,
+                                                     "optimization_barrier.2": 3}
+    assert barrier_ties.barrier_widths(scheduled)["optimization_barrier.1"] == 1
+    assert barrier_ties.cut_barriers(_LOWERED, scheduled) == (2, 1, 1)
+    assert barrier_ties.cut_barriers(_LOWERED, _LOWERED) == (2, 0, 0)
