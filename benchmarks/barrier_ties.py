@@ -5,10 +5,13 @@ The rewrite orders a re-created value after its backward region by passing it th
 :meth:`jaxmem.rewriting.rewrite._Replay.materialise`), and fences finished weight gradients
 the same way (:func:`jaxmem.rewriting.settle.fence_finished`). Those extra operands are
 there only for the order: nothing reads the barrier's outputs for them. XLA's algebraic
-simplifier removes some elements of a barrier whose outputs nothing reads (``python -m
-benchmarks.barrier_ties --probe``: two barriers, one tying a matrix a matmul reads too,
-one a transposed copy of it, each lose the tie before XLA schedules), not all (most of the
-zoo Llama's keep theirs: this counts which). Where it does, the barrier orders nothing, and
+simplifier removes an element of a barrier whose output nothing reads once nothing but the
+barrier reads its operand: where the value's other readers took its computation in (a
+Triton matmul fusion absorbs an elementwise producer) or read it through a bitcast of
+their own (layout normalisation, for a layout other than the default). ``python -m
+benchmarks.barrier_ties --probe``: of three ties, one a matmul also reads, a transposed
+copy made for the barrier, one an elementwise op also reads, only the last is kept. Where
+a tie goes, the barrier orders nothing, and
 XLA may compute the re-created values as early as their other operands allow, where the
 liveness model (:mod:`jaxmem.analyzing.liveness`) assumes the order held.
 
@@ -218,22 +221,27 @@ from jax import lax
 import jaxmem
 from benchmarks import barrier_ties
 def f(w, x):
-    ct = jnp.cos(jnp.tanh(x @ w)) * 3.0      # read below, as a cotangent is
-    (w1,), _ = lax.optimization_barrier(((w,), (ct,)))       # tied to ct itself
-    (w2,), _ = lax.optimization_barrier(((w * 2,), (ct.T,)))  # to a copy made for it
-    return (ct @ w.T).sum() + jnp.sin(x @ w1).sum() + jnp.sin(x @ w2).sum()
+    ct = jnp.cos(jnp.tanh(x @ w)) * 3.0       # a matmul reads it too, and may fuse it in
+    (w1,), _ = lax.optimization_barrier(((w,), (ct,)))
+    (w2,), _ = lax.optimization_barrier(((w * 2,), (ct.T,)))   # a copy made for the tie
+    cu = jnp.sin(jnp.tanh(x @ w)) * 3.0       # an elementwise op reads it too
+    (w3,), _ = lax.optimization_barrier(((w * 3,), (cu,)))
+    return ((ct @ w.T).sum() + jnp.sin(x @ w1).sum() + jnp.sin(x @ w2).sum()
+            + jnp.sin(x @ w3).sum() + (cu * x).sum())
 args = jaxmem.targets.place((jnp.ones((256, 256)), jnp.ones((128, 256))), sys.argv[2])
 jax.jit(f).lower(*args).compile()
 first, last = barrier_ties.module_dumps([Path(p) for p in glob.glob(f"{dump}/*")])
-print(sorted(barrier_ties.barrier_widths(first).values()),
-      sorted(barrier_ties.barrier_widths(last).values()))
+def ordered(widths):   # in program order: XLA numbers the barriers as it lowers them
+    return [widths[k] for k in sorted(widths, key=lambda n: int(n.rsplit(".", 1)[-1]))]
+print(ordered(barrier_ties.barrier_widths(first)), ordered(barrier_ties.barrier_widths(last)))
 """
 
 
 def probe(target: str) -> str:
-    """Two barriers, each tying one value it passes on to a matrix nothing reads through it:
-    the matrix itself (read elsewhere too), and a transposed copy of it made for the barrier
-    alone. Prints the barriers' operand counts as lowered and as XLA schedules them."""
+    """Three barriers, each passing a weight on and tying a matrix nothing reads through it:
+    one a matmul reads too, a transposed copy of it made for the barrier alone, and one an
+    elementwise op reads too. The barriers' operand counts in program order, as lowered and
+    as XLA schedules them."""
     dump = tempfile.mkdtemp(prefix="jaxmem-barrier-probe-")
     try:
         r = subprocess.run([sys.executable, "-c", _PROBE, dump, target], cwd=ROOT,
