@@ -183,9 +183,8 @@ def run(model: str, size: str, target: str, budget: float | None = None
     when it starts); with ``budget``, the plans ``optimize(step, budget=budget)``'s search
     compiles (the plain step aside)."""
     dump = Path(tempfile.mkdtemp(prefix="jaxmem-barrier-ties-"))
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("JAXMEM_PLAN_CACHE_DIR", None)
-    env["JAXMEM_PLAN_CACHE_DIR"] = str(dump / "plan-cache")
+    # a plan cache of its own: a cached plan would hand no candidates to the compiler
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAXMEM_PLAN_CACHE_DIR=str(dump / "plan-cache"))
     try:
         child = (_CHILD, "") if budget is None else (_BUDGET_CHILD, str(budget))
         r = subprocess.run([sys.executable, "-c", child[0], model, size, target, str(dump),
