@@ -132,7 +132,8 @@ def test_a_build_past_its_limit_stops_there(monkeypatch):
     assert e.value.limit == len(whole.nodes) // 2
 
     # a step whose rewrites all pass the growth limit: sized, not traced, not compiled
-    monkeypatch.setattr(plan_step, "growth_limit", lambda n: len(whole.nodes) // 2)
+    # (the limit is steps.within_growth's, which plan_step's _Compiles builds with)
+    monkeypatch.setattr(steps, "growth_limit", lambda n: len(whole.nodes) // 2)
     c = plan_step._Compiles(step)
     traced = []
     monkeypatch.setattr(steps.Step, "rewrite", lambda self, p: traced.append(p))

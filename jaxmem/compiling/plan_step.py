@@ -38,12 +38,12 @@ from jaxmem.compiling.signature import profile_of
 from jaxmem.compiling.steps import (
     Step,
     equations,
-    growth_limit,
     program_equations,
     read,
     rewrite_key,
     too_large,
     too_many,
+    within_growth,
 )
 from jaxmem.compiling.trace_step import scans
 from jaxmem.memory import state_offload
@@ -54,7 +54,6 @@ from jaxmem.planning.budget.units import TooLargeToCompile
 from jaxmem.planning.costs import step_costs
 from jaxmem.planning.plan import Plan
 from jaxmem.rewriting.scans import loop_plan
-from jaxmem.rewriting.symbolic import TooLarge
 from jaxmem.tracing.program import from_jaxpr
 from jaxmem.xla import measure, targets
 from jaxmem.xla.measure import Figures
@@ -172,10 +171,9 @@ class _Compiles:
                 program = from_jaxpr(traced.jaxpr)
                 n = equations(traced.jaxpr)
             else:   # built without a trace (jaxmem.rewriting.symbolic): the same nodes
-                try:
-                    program = self.step.rewritten(p, growth_limit(of))
-                except TooLarge as e:   # not built past the limit
-                    self._too_large[key] = too_many(e.limit, of, more=True)
+                program, why = within_growth(lambda limit: self.step.rewritten(p, limit), of)
+                if program is None:   # not built past the growth limit
+                    self._too_large[key] = why
                     return None
                 n = program_equations(program)
             why = too_many(n, of)

@@ -8,8 +8,7 @@ from typing import Any
 
 from jaxmem.compiling import choose
 from jaxmem.compiling.choose import Candidate
-from jaxmem.compiling.steps import Step, growth_limit, too_many
-from jaxmem.rewriting.symbolic import TooLarge
+from jaxmem.compiling.steps import Step, growth_limit, within_growth
 
 __all__ = ["RewrittenPeaks"]
 
@@ -37,13 +36,14 @@ class RewrittenPeaks:
         :func:`~jaxmem.compiling.steps.growth_limit` nodes: past it, it is too large
         whatever its size (MEDL's unregioned plan of GPT-2 small is 4.7x the step; built in
         full, 2.1 s)."""
+        of = len(self.step.program.nodes)
         try:
-            of = len(self.step.program.nodes)
-            program = choose.rewritten_program(self.cands[i], self.step, growth_limit(of))
-        except TooLarge as e:   # not built past the limit
-            return None, too_many(e.limit, of, more=True), e.limit / max(of, 1)
+            program, why = within_growth(
+                lambda limit: choose.rewritten_program(self.cands[i], self.step, limit), of)
         except Exception:  # noqa: BLE001 - not ranked; compiled as before (it says why)
             return None, None, 0.0
+        if program is None:   # not built past the limit
+            return None, why, growth_limit(of) / max(of, 1)
         return (program, *choose.rewrite_size(self.cands[i], self.step, program))
 
     def growth(self, i: int) -> float:

@@ -211,3 +211,16 @@ def growth_limit(step_equations: int) -> int:
     """The most nodes a rewrite of a step of ``step_equations`` is built to before it is
     known to be too large (:data:`MAX_REWRITE_GROWTH`: nodes are at most its equations)."""
     return int(MAX_REWRITE_GROWTH * max(step_equations, 1))
+
+
+def within_growth(build: Callable[[int], Program], step_equations: int
+                  ) -> tuple[Program | None, str | None]:
+    """``build(limit)``, a rewrite built up to :func:`growth_limit` nodes of a step of
+    ``step_equations``: ``(program, None)``, or ``(None, why it is too large)`` where the
+    build passed the limit (:class:`~jaxmem.rewriting.symbolic.TooLarge`; not built
+    further). Whether a built program is over :data:`MAX_REWRITE_GROWTH` is
+    :func:`too_many` of its equations."""
+    try:
+        return build(growth_limit(step_equations)), None
+    except symbolic.TooLarge as e:
+        return None, too_many(e.limit, step_equations, more=True)
