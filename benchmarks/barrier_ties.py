@@ -107,15 +107,36 @@ def module_dumps(files: list[Path]) -> tuple[str, str] | None:
     return dumps[0][1].read_text(), last[0].read_text()
 
 
+def dump_to(dump: Path) -> None:
+    """Set XLA's dumps at each pass pipeline's start into ``dump`` (before JAX starts: a
+    child process calls it first), one compile at a time."""
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} "
+                               "--xla_dump_hlo_pass_re=pipeline-start --xla_dump_hlo_as_text")
+    os.environ.setdefault("JAXMEM_COMPILE_THREADS", "1")
+
+
+def report(program: str, compiled: int, predicted: int, dump: Path, before: set[Path]
+           ) -> None:
+    """Print one row for the child's parent: ``program``'s peaks and the barriers XLA cut in
+    the compile whose dumps are those in ``dump`` not in ``before`` (then deleted)."""
+    new = [f for f in dump.iterdir() if f not in before]
+    got = module_dumps(new)
+    row = {"program": program, "compiled": compiled, "predicted": predicted}
+    if got is not None:
+        row.update(zip(("barriers", "cut", "operands_cut"), cut_barriers(*got), strict=True))
+    for f in new:
+        f.unlink()
+    print("@@row " + json.dumps(row), flush=True)
+
+
 _CHILD = r"""
-import json, os, sys
+import sys
 from pathlib import Path
+from benchmarks import barrier_ties
 dump = Path(sys.argv[4])
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} "
-                           "--xla_dump_hlo_pass_re=pipeline-start --xla_dump_hlo_as_text")
-os.environ.setdefault("JAXMEM_COMPILE_THREADS", "1")
+barrier_ties.dump_to(dump)
 import jaxmem
-from benchmarks import barrier_ties, prediction_plans, prediction_why
+from benchmarks import prediction_plans, prediction_why
 from jaxmem.analyzing.liveness import liveness
 from jaxmem.compiling.steps import read
 from jaxmem.tracing.program import from_jaxpr
@@ -129,25 +150,16 @@ for name, jitted in [("plain", step.plain)] + [(c.plan.strategy, c.jitted) for c
     pred = liveness(from_jaxpr(traced.jaxpr), donated=step.donate_flat, platform=platform)[0]
     before = set(dump.iterdir())
     fig = read(measure.compile(traced.lower()), jitted, step.flat)
-    new = [f for f in dump.iterdir() if f not in before]
-    got = barrier_ties.module_dumps(new)
-    row = {"program": name, "compiled": fig.peak, "predicted": pred}
-    if got is not None:
-        row.update(zip(("barriers", "cut", "operands_cut"), barrier_ties.cut_barriers(*got)))
-    for f in new:
-        f.unlink()
-    print("@@row " + json.dumps(row), flush=True)
+    barrier_ties.report(name, fig.peak, pred, dump, before)
 """
 
 _BUDGET_CHILD = r"""
-import json, os, sys
+import sys
 from pathlib import Path
-dump = Path(sys.argv[4])
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} "
-                           "--xla_dump_hlo_pass_re=pipeline-start --xla_dump_hlo_as_text")
-os.environ.setdefault("JAXMEM_COMPILE_THREADS", "1")
-import jaxmem
 from benchmarks import barrier_ties
+dump = Path(sys.argv[4])
+barrier_ties.dump_to(dump)
+import jaxmem
 from benchmarks.workload import load
 from jaxmem.analyzing.liveness import liveness
 from jaxmem.compiling import plan_step
@@ -156,16 +168,9 @@ compile_plan = plan_step._Compiles.plan
 def plan(self, p):   # every plan the budget search compiles, as it compiles it
     before = set(dump.iterdir())
     fig = compile_plan(self, p)
-    new = [f for f in dump.iterdir() if f not in before]
-    got = barrier_ties.module_dumps(new)
     pred = liveness(self.step.rewritten(p), donated=self.step.donate_flat,
                     platform=self.step.platform)[0]
-    row = {"program": p.strategy, "compiled": fig.peak, "predicted": pred}
-    if got is not None:
-        row.update(zip(("barriers", "cut", "operands_cut"), barrier_ties.cut_barriers(*got)))
-    for f in new:
-        f.unlink()
-    print("@@row " + json.dumps(row), flush=True)
+    barrier_ties.report(p.strategy, fig.peak, pred, dump, before)
     return fig
 plan_step._Compiles.plan = plan
 w = load(model, size)
@@ -192,7 +197,8 @@ def run(model: str, size: str, target: str, budget: float | None = None
     finally:
         shutil.rmtree(dump, ignore_errors=True)
     rows = [json.loads(line[6:]) for line in r.stdout.splitlines() if line.startswith("@@row ")]
-    if r.returncode or not rows:
+    # every run has the plain step's row; a budget search may compile no plan
+    if r.returncode or (not rows and budget is None):
         raise RuntimeError(f"{model}: {r.stderr[-2000:]}")
     return rows
 
@@ -210,15 +216,14 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 _PROBE = r"""
-import os, sys, glob
+import sys, glob
 from pathlib import Path
+from benchmarks import barrier_ties
 dump = sys.argv[1]
-os.environ["XLA_FLAGS"] = (f"--xla_dump_to={dump} --xla_dump_hlo_pass_re=pipeline-start "
-                           "--xla_dump_hlo_as_text")
+barrier_ties.dump_to(Path(dump))
 import jax, jax.numpy as jnp
 from jax import lax
 import jaxmem
-from benchmarks import barrier_ties
 def f(w, x):
     ct = jnp.cos(jnp.tanh(x @ w)) * 3.0       # a matmul reads it too, and may fuse it in
     (w1,), _ = lax.optimization_barrier(((w,), (ct,)))
