@@ -16,6 +16,10 @@ the plain step and every candidate and prints each compiled peak, nothing else)
   HLO dumps, which are left in ``--dump`` for reading), by ``op_name`` and phase, beside
   jaxmem's: where the two lists differ is what the model gets wrong.
 
+``--budget B``: ``CANDIDATE`` names a plan ``jaxmem.optimize(step, budget=B)``'s search
+compiles instead (the first whose name starts with it; ``budget`` is the solver's), reported
+as it is compiled, with the liveness model's live set of its rewritten step.
+
 Read-only: nothing in jaxmem changes; a diagnosis tool for docs/first_call.md.
 """
 
@@ -177,6 +181,41 @@ def _candidates(w: Any, target: str) -> tuple[Any, list[Any]]:
     return got["step"], got["cands"]
 
 
+def _budget_plan(a: Any) -> int:
+    """``--budget``: the first plan the budget search compiles whose name starts with
+    ``a.candidate``, reported when it is compiled (the search goes on as it would)."""
+    import jaxmem
+    from benchmarks.workload import load
+    from jaxmem.compiling import plan_step
+
+    compile_plan, seen = plan_step._Compiles.plan, []
+
+    def plan(self: Any, p: Any) -> Any:
+        before = set(a.dump.iterdir())
+        fig = compile_plan(self, p)
+        if not seen and p.strategy.startswith(a.candidate):
+            seen.append(p.strategy)
+            print(f"{a.model} ({a.size}) on {a.target}, budget {a.budget}: {p.strategy}, "
+                  f"compiled peak {fig.peak / 2**20:.2f} MiB")
+            _jaxmem_live(self.step.rewritten(p), self.step.donate_flat,
+                         self.step.platform, a.top)
+            _xla_report([f for f in a.dump.iterdir() if f not in before], a.top)
+        return fig
+
+    plan_step._Compiles.plan = plan
+    w = load(a.model, a.size)
+    args = jaxmem.targets.place((w.state, w.batch), a.target)
+    try:
+        jaxmem.optimize(w.step, budget=a.budget).lower(*args)
+    except jaxmem.BudgetError:
+        pass
+    finally:
+        plan_step._Compiles.plan = compile_plan
+    if not seen:
+        raise SystemExit(f"the budget search compiled no plan named {a.candidate!r}...")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
@@ -186,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default="cpu")
     ap.add_argument("--dump", type=Path, default=Path("/tmp/jaxmem-why"))
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--budget", type=float, default=None,
+                    help="CANDIDATE names a plan this budget's search compiles")
     a = ap.parse_args(argv)
     if "jax" in sys.modules and a.candidate != "all":
         raise SystemExit("run as python -m benchmarks.prediction_why (XLA's dump flags)")
@@ -194,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                    + f" --xla_dump_to={a.dump} --xla_dump_hlo_as_text").strip()
     os.environ.setdefault("JAXMEM_COMPILE_THREADS", "1")
+    if a.budget is not None:
+        return _budget_plan(a)
     from jaxmem.program import from_jaxpr
 
     import jaxmem
