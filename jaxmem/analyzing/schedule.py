@@ -91,38 +91,49 @@ def _reads(program: Program, mat: Sequence[bool], late: frozenset[int] = frozens
     before them); its other readers fuse it. ``whole``: what each node waits for instead,
     every operand of a barrier whose output it reads (no output of a barrier exists
     before all its operands do: the ordering the rewrite's barriers exist for)."""
-    memo: dict[int, frozenset[int]] = {}
-    values, nodes = program.values, program.nodes
-
-    def inputs(v: int) -> frozenset[int]:
-        node = nodes[values[v].producer]
-        src = node.inputs if whole else _sources(node, v)
-        return frozenset().union(*(expand(u) for u in src))
-
-    def expand(v: int) -> frozenset[int]:
-        got = memo.get(v)
-        if got is not None:
-            return got
-        val = values[v]
-        if v in late:
-            got = inputs(v)
-        elif val.producer is None or mat[v]:
-            got = frozenset((v,))
-        else:
-            node = nodes[val.producer]
-            src = _sources(node, v)[0] if _is_barrier(node) else None
-            got = (frozenset((src,)) | inputs(src) if src in late else inputs(v))
-            if whole and src is not None:
-                got |= inputs(v)
-        memo[v] = got
-        return got
-
+    walk = _Reads(program, mat, late, whole)
     out_set = set(program.outputs)
     reads = {}
-    for n in nodes:
+    for n in program.nodes:
         if any(mat[o] or o in out_set for o in n.outputs) or not n.outputs:
-            reads[n.index] = frozenset().union(*(expand(u) for u in n.inputs))
+            reads[n.index] = frozenset().union(*(walk.expand(u) for u in n.inputs))
     return reads
+
+
+class _Reads:
+    """:func:`_reads`' walk through fused values, memoised. (Methods, not two closures
+    calling each other: those are a reference cycle, which held the memo and the program
+    until the collector ran.)"""
+
+    def __init__(self, program: Program, mat: Sequence[bool], late: frozenset[int],
+                 whole: bool) -> None:
+        self.memo: dict[int, frozenset[int]] = {}
+        self.values, self.nodes = program.values, program.nodes
+        self.mat, self.late, self.whole = mat, late, whole
+
+    def inputs(self, v: int) -> frozenset[int]:
+        node = self.nodes[self.values[v].producer]
+        src = node.inputs if self.whole else _sources(node, v)
+        return frozenset().union(*(self.expand(u) for u in src))
+
+    def expand(self, v: int) -> frozenset[int]:
+        got = self.memo.get(v)
+        if got is not None:
+            return got
+        val = self.values[v]
+        if v in self.late:
+            got = self.inputs(v)
+        elif val.producer is None or self.mat[v]:
+            got = frozenset((v,))
+        else:
+            node = self.nodes[val.producer]
+            src = _sources(node, v)[0] if _is_barrier(node) else None
+            got = (frozenset((src,)) | self.inputs(src) if src in self.late
+                   else self.inputs(v))
+            if self.whole and src is not None:
+                got |= self.inputs(v)
+        self.memo[v] = got
+        return got
 
 
 def schedule(program: Program, mat: Sequence[bool], aliased: frozenset[int] = frozenset(),

@@ -56,16 +56,17 @@ def offload_tags_out_of_reach(analysis: Analysis) -> list[tuple[str, str, str]]:
     control-flow unit (a ``lax.scan``/``while``/``cond`` body, a custom-derivative call): the
     joint rewrite keeps units whole, so such a value stays on the device."""
     out: list[tuple[str, str, str]] = []
-
-    def walk(jaxpr: Any, unit: str, layer: str) -> None:
-        for e in jaxpr.eqns:
-            name = str(e.params.get("name", "")) if e.primitive.name == "name" else ""
-            if name.startswith(OFFLOAD_PREFIX):
-                out.append((name[len(OFFLOAD_PREFIX):], unit, layer))
-            for sub in _jax.sub_jaxprs(e):
-                walk(sub, unit, layer)
-
     for n in analysis.program.nodes:
         for sub in _jax.sub_jaxprs(n.eqn):
-            walk(sub, n.primitive, n.layer)
+            _tags_in(sub, n.primitive, n.layer, out)
     return out
+
+
+def _tags_in(jaxpr: Any, unit: str, layer: str, out: list[tuple[str, str, str]]) -> None:
+    """:func:`offload_tags_out_of_reach`'s walk of one body, nested bodies included."""
+    for e in jaxpr.eqns:
+        name = str(e.params.get("name", "")) if e.primitive.name == "name" else ""
+        if name.startswith(OFFLOAD_PREFIX):
+            out.append((name[len(OFFLOAD_PREFIX):], unit, layer))
+        for sub in _jax.sub_jaxprs(e):
+            _tags_in(sub, unit, layer, out)

@@ -311,16 +311,17 @@ def narrowest(program: Program, v: int) -> list[int]:
     it was a float32 ``[batch, sequence, vocabulary]`` buffer; it is followed to its
     scalar. (Tied to nothing, the region's re-created values could merge with the forward
     originals.)"""
-    memo: dict[int, list[int]] = {}  # a backward pass's cheap nodes share inputs
+    return _narrowest(program, v, {})   # a backward pass's cheap nodes share inputs
 
-    def walk(x: int) -> list[int]:
-        if x not in memo:
-            node = program.nodes[program.values[x].producer]
-            ins = [w for w in dict.fromkeys(node.inputs) if _backward(program, w)]
-            below = list(dict.fromkeys(y for w in ins for y in walk(w))) \
-                if node.kind in CHEAP and ins else []
-            memo[x] = below if below and sum(program.values[y].nbytes for y in below) \
-                < program.values[x].nbytes else [x]
-        return memo[x]
 
-    return walk(v)
+def _narrowest(program: Program, x: int, memo: dict[int, list[int]]) -> list[int]:
+    """:func:`narrowest` of ``x``, memoised in ``memo`` (a function of the module's, not
+    a recursive closure: that is a reference cycle, held until the collector runs)."""
+    if x not in memo:
+        node = program.nodes[program.values[x].producer]
+        ins = [w for w in dict.fromkeys(node.inputs) if _backward(program, w)]
+        below = list(dict.fromkeys(y for w in ins for y in _narrowest(program, w, memo))) \
+            if node.kind in CHEAP and ins else []
+        memo[x] = below if below and sum(program.values[y].nbytes for y in below) \
+            < program.values[x].nbytes else [x]
+    return memo[x]

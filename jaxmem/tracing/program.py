@@ -351,15 +351,16 @@ def backward_in_units(program: Program) -> tuple[str, ...]:
       ('scan',)
     """
     found: dict[str, None] = {}
-
-    def has_backward(jaxpr: Any) -> bool:
-        return any(_jax.is_backward(e) or any(has_backward(s) for s in _jax.sub_jaxprs(e))
-                   for e in jaxpr.eqns)
-
     for n in program.nodes:
-        if n.phase != "backward" and any(has_backward(s) for s in _jax.sub_jaxprs(n.eqn)):
+        if n.phase != "backward" and any(_has_backward(s) for s in _jax.sub_jaxprs(n.eqn)):
             found[n.primitive] = None
     return tuple(found)
+
+
+def _has_backward(jaxpr: Any) -> bool:
+    """Whether ``jaxpr`` (or a body nested in it) holds a backward equation."""
+    return any(_jax.is_backward(e) or any(_has_backward(s) for s in _jax.sub_jaxprs(e))
+               for e in jaxpr.eqns)
 
 
 def trace(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Program:
