@@ -96,7 +96,7 @@ def _reads(program: Program, mat: Sequence[bool], late: frozenset[int] = frozens
     reads = {}
     for n in program.nodes:
         if any(mat[o] or o in out_set for o in n.outputs) or not n.outputs:
-            reads[n.index] = frozenset().union(*(walk.expand(u) for u in n.inputs))
+            reads[n.index] = frozenset().union(*map(walk.expand, n.inputs))
     return reads
 
 
@@ -114,7 +114,9 @@ class _Reads:
     def inputs(self, v: int) -> frozenset[int]:
         node = self.nodes[self.values[v].producer]
         src = node.inputs if self.whole else _sources(node, v)
-        return frozenset().union(*(self.expand(u) for u in src))
+        if len(src) == 1:   # most fused chains: the set itself (immutable), not a copy
+            return self.expand(src[0])
+        return frozenset().union(*map(self.expand, src))
 
     def expand(self, v: int) -> frozenset[int]:
         got = self.memo.get(v)
