@@ -447,8 +447,9 @@ def test_light_layers_join_the_next_block():
 def test_auto_candidates_cut_blocks_both_ways():
     """Which block grouping compiles lower depends on the compiler (the light-layer join
     lifts XLA:GPU's ResNet, the unjoined cut XLA:CPU's GPT), so the automatic mode compiles
-    both where they differ: ``join_light=False`` is blocks = layer paths alone, its plans
-    are labelled, exact, and offloading with it is refused."""
+    its selective plan on both where they differ (the budget search's block plans too):
+    ``join_light=False`` is blocks = layer paths alone, its plans are labelled, exact, and
+    offloading with it is refused."""
     from benchmarks import zoo
     from jaxmem.planning.strategies import auto_candidates, block_boundaries, plan_blocks
     from jaxmem.rewriting.rewrite import rewrite
@@ -460,7 +461,7 @@ def test_auto_candidates_cut_blocks_both_ways():
     cands = auto_candidates(a)
     names = [p.strategy for p in cands]
     assert "blocks(depth=2, heavy kept)" in names, names
-    assert "blocks(depth=2, heavy kept, light unjoined)" in names, names
+    assert "selective(depth=2, light unjoined)" in names, names
     keys = [(p.recompute, p.region_depth, p.keep) for p in cands]
     assert len(keys) == len(set(keys))
     blk = plan_blocks(a, 2, keep_heavy=True, join_light=False)

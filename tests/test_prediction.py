@@ -182,6 +182,38 @@ def test_the_rewritten_step_bound_covers_every_measured_plan():
         assert rewritten <= REWRITTEN_OVER * compiled, where
 
 
+def test_the_candidates_left_out_never_compiled_near_the_lowest():
+    """``auto_candidates`` no longer lists MEDL's strict variant nor per-block
+    ``dots_saveable`` on the unjoined cut: in every step of the ``prediction --plans``
+    files (every candidate compiled) where either was compiled, it compiled more than 1%
+    above that step's lowest plan; and no candidate of today's list is of either kind."""
+    from jaxmem.analyzing.analysis import from_program
+    from jaxmem.planning.strategies import auto_candidates
+
+    left_out = ("auto (strict: 5% per layer)", "heavy kept, light unjoined")
+    plans = ("prediction/plans-cpu.json", "prediction/plans-h100.json",
+             "prediction/plans-cpu-test.json", "prediction/plans-h100-test.json",
+             "prediction/plans-cpu-more.json", "prediction_corpus/plans-h100.json",
+             "prediction_corpus/plans-h100-jraph.json",
+             "prediction_corpus/plans-h100-gpt2.json")
+    seen = 0
+    for f in plans:
+        for m in json.loads((ROOT / "benchmarks/results" / f).read_text())["models"]:
+            rows = [r for r in m.get("candidates", []) if r["kind"] == "plan"]
+            if not rows:
+                continue
+            lowest = min(r["compiled"] for r in rows)
+            for r in rows:
+                if any(k in r["candidate"] for k in left_out):
+                    seen += 1
+                    assert r["compiled"] > 1.01 * lowest, (f, m["model"], r["candidate"])
+    assert seen >= 30
+    w = zoo.make("transformer", size="test")
+    names = [p.strategy for p in auto_candidates(from_program(jaxmem.trace(w.step, *w.args)))]
+    assert not any("heavy kept, light unjoined" in n for n in names), names
+    assert not any(n.startswith("auto (strict") for n in names), names
+
+
 def test_ranking_union_reads_the_plans_files():
     """``benchmarks.ranking_union`` over the committed ``prediction --plans`` files: the
     union of the cost model's three and the rewritten step's first never lands above either
