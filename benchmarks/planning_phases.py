@@ -91,6 +91,7 @@ PHASES = ("trace", "candidates", "rewritten steps", "lowering", "before the comp
 
 def _run(model: str, size: str, target: str, heap: str) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("JAXMEM_PLAN_CACHE_DIR", None)   # cold: no plan cache across the runs
     out = subprocess.run([sys.executable, "-c", _CHILD, model, size, target, heap],
                          capture_output=True, text=True, cwd=ROOT, env=env, check=False)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]

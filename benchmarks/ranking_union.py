@@ -25,6 +25,11 @@ and says, per step, how far above the best compiled plan the best of each first 
   crowd, rewrites to over 1.5x the step's equations, as MEDL's region plans do on
   decoders; it was measured on the lm1b-width decoder, which is not among the files).
 
+``--drop NAME`` (repeatable) leaves out the candidates whose name holds ``NAME``, as if
+``auto_candidates`` did not list them; ``--kinds`` prints, per candidate kind (depths
+as ``d``), the steps it appears in, compiles lowest of the plans, and within 1% of the
+lowest: which kinds ever matter.
+
 Run::
 
     python -m benchmarks.ranking_union benchmarks/results/prediction/plans-cpu.json \\
@@ -34,7 +39,9 @@ Run::
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -108,11 +115,15 @@ def _platform(target: str) -> str:
     return "cpu" if target == "cpu" else jaxmem.targets.get(target).platform
 
 
-def step_rows(path: str) -> list[tuple[str, str, int, dict[str, Any]]]:
+def step_rows(path: str, drop: tuple[str, ...] = ()
+              ) -> list[tuple[str, str, int, dict[str, Any]]]:
     """Per step of a ``prediction --plans`` file: model, target, plans, the three sets'
-    figures (``over``: % above the best; ``n``: plans in the set)."""
+    figures (``over``: % above the best; ``n``: plans in the set). ``drop``: candidates
+    whose name holds one of these are left out, as if not listed."""
     out = []
     for m in json.loads(Path(path).read_text())["models"]:
+        m = dict(m, candidates=[c for c in m["candidates"]
+                                if not any(d in c["candidate"] for d in drop)])
         rows = [c for c in m["candidates"] if c["kind"] == "plan" and c.get("compiled")]
         if not rows:
             continue
@@ -127,15 +138,56 @@ def step_rows(path: str) -> list[tuple[str, str, int, dict[str, Any]]]:
     return out
 
 
+def kind_of(name: str) -> str:
+    """A candidate's kind: its name with block depths as ``d`` and a repeat's number
+    dropped (``selective(depth=4, light unjoined)`` -> ``selective(depth=d, light
+    unjoined)``)."""
+    return re.sub(r" \[\d+\]$", "", re.sub(r"(depth[= ])\d+", r"\1d", name))
+
+
+def kinds(paths: list[str]) -> dict[str, list[int]]:
+    """Per candidate kind (:func:`kind_of`) over the steps of ``paths``: ``[steps it
+    appears in, steps where it compiled lowest of the plans, steps where within 1% of
+    the lowest]``."""
+    out: dict[str, list[int]] = {}
+    for path in paths:
+        for m in json.loads(Path(path).read_text())["models"]:
+            rows = [c for c in m["candidates"] if c["kind"] == "plan" and c.get("compiled")]
+            if not rows:
+                continue
+            best = min(r["compiled"] for r in rows)
+            low: dict[str, int] = {}
+            for r in rows:
+                k = kind_of(r["candidate"])
+                low[k] = min(low.get(k, r["compiled"]), r["compiled"])
+            for k, v in low.items():
+                t = out.setdefault(k, [0, 0, 0])
+                t[0], t[1], t[2] = t[0] + 1, t[1] + (v == best), t[2] + (v <= 1.01 * best)
+    return out
+
+
 def _cell(x: dict[str, Any]) -> str:
     return "–" if x["over"] is None else f"{x['over']:+.1f}% ({x['n']})"
 
 
 def main(argv: list[str] | None = None) -> int:
-    paths = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("paths", nargs="*", help="prediction --plans JSON files")
+    ap.add_argument("--drop", action="append", default=[], metavar="NAME",
+                    help="leave out the candidates whose name holds NAME (repeatable): "
+                    "what the first compiles would be were they not listed")
+    ap.add_argument("--kinds", action="store_true", help="per candidate kind: the steps "
+                    "it appears in, compiled lowest, and within 1%% of the lowest")
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    paths, drop = args.paths, tuple(args.drop)
     if not paths:
         print(__doc__)
         return 2
+    if args.kinds:
+        print("| candidate kind | steps | lowest | within 1% |\n|---|---:|---:|---:|")
+        for k, (n, low, near) in sorted(kinds(paths).items(), key=lambda t: -t[1][0]):
+            print(f"| {k} | {n} | {low} | {near} |")
+        return 0
     print("| step | target | plans | model's 3 | rewritten's 1 | both | default | default, "
           "against all |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
@@ -144,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     n = 0
     per_target: dict[str, list[int]] = {}  # target -> [steps, within 1%, plans compiled]
     for path in paths:
-        for model, target, plans, sets in step_rows(path):
+        for model, target, plans, sets in step_rows(path, drop):
             n += 1
             for k in held:
                 held[k] += sets[k]["over"] is not None and sets[k]["over"] <= 0.0

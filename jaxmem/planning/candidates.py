@@ -50,11 +50,11 @@ def auto_candidates(analysis: Analysis, *, max_recompute_fraction: float = 0.05
     layer)") and per-block ``dots_saveable`` on the unjoined cut (``plan_blocks(
     join_light=False)``). Over the 28 steps whose every candidate was compiled
     (``benchmarks/results/prediction*/plans-*.json``: zoo and corpus, CPU and the H100
-    target, test and bench size) neither compiled lowest, nor within 1% of the lowest,
-    in any of its 9 and 21 appearances
-    (``tests/test_prediction.py::test_the_candidates_left_out_never_compiled_near_the_lowest``),
-    and ``verify=True``'s first compiles hold the same plans on all 28 without them
-    (``python -m benchmarks.ranking_union`` over those files less them).
+    target, test and bench size) neither compiled lowest, nor within 1% of the lowest, in
+    any of the 9 and 20 steps that listed it (``python -m benchmarks.ranking_union --kinds
+    FILES``), and ``verify=True``'s first compiles land as far above the lowest on all 28
+    without them (``--drop``; both held by
+    ``tests/test_prediction.py::test_the_candidates_left_out_never_compiled_near_the_lowest``).
 
     (``jaxmem.optimize`` adds two more that are not plans: the step traced with its loss
     under ``jax.checkpoint(policy=dots_saveable)``, whole and around each block of the name
