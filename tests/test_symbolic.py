@@ -137,6 +137,28 @@ def test_ranking_a_candidate_leaves_no_reference_cycles(monkeypatch):
     assert all(isinstance(f, int) and f > 0 for f in figures), figures
 
 
+def test_a_rewrite_estimated_far_past_its_limit_is_not_built(monkeypatch):
+    """The rewrite's size estimated from its replay chains (the step's nodes and those
+    its regions replay) is close to the built program's: within the margin above it
+    (``ESTIMATE_MARGIN``), and below it by the barriers; a limit the estimate passes by
+    more than the margin raises ``TooLarge`` before a node is built (MEDL's per-layer plan
+    of GPT-2 small was built to its limit to learn that, a fifth of its crowd's
+    analysis)."""
+    w = zoo.make("transformer", size="test", abstract=True)
+    step, cands = _candidates(monkeypatch, w, "h100")
+    for c in cands:
+        built = len(step.rewritten(c.plan).nodes)
+        est = len(step.program.nodes) + symbolic._replayed(step.program, c.plan)
+        assert 0.7 * built <= est <= 1.05 * built, (c.plan.strategy, est, built)
+    plan = cands[0].plan
+    est = len(step.program.nodes) + symbolic._replayed(step.program, plan)
+    monkeypatch.setattr(symbolic.Symbolic, "bind", lambda *a: pytest.fail("built"))
+    limit = int(est / symbolic.ESTIMATE_MARGIN) - 1
+    with pytest.raises(symbolic.TooLarge) as e:
+        step.rewritten(plan, limit)
+    assert e.value.limit == limit
+
+
 def test_a_build_past_its_limit_stops_there(monkeypatch):
     """``limit``: the build stops once it has made more nodes (``TooLarge``), so a rewrite
     too large to compile is not built whole to learn that (greedy's lowest plan of GPT-2

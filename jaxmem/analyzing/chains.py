@@ -40,7 +40,7 @@ from jaxmem.tracing.program import Node, Program, region_of
 
 __all__ = [
     "backward_regions", "chain_inputs", "chain_start", "is_anchor", "replay_chain",
-    "replay_flops", "stored_values",
+    "replay_flops", "replay_nodes", "stored_values",
 ]
 
 
@@ -179,16 +179,30 @@ def replay_flops(program: Program, dropped: Collection[int], starts: Callable[[i
                  region_depth: int | None = None) -> float:
     """FLOPs the rewrite spends re-creating ``dropped``: each backward region replays the
     chains of the dropped values it reads once (shared nodes counted once)."""
-    total = 0.0
+    return sum(program.nodes[i].flops
+               for nodes in _region_replays(program, dropped, starts, region_depth)
+               for i in nodes)
 
+
+def replay_nodes(program: Program, dropped: Collection[int], starts: Callable[[int], bool],
+                 region_depth: int | None = None) -> int:
+    """The nodes the rewrite replays re-creating ``dropped``, counted as
+    :func:`replay_flops` counts their FLOPs: with the program's own, about the rewritten
+    program's size (its barriers not counted; constants folded and outputs forwarded
+    counted)."""
+    return sum(map(len, _region_replays(program, dropped, starts, region_depth)))
+
+
+def _region_replays(program: Program, dropped: Collection[int],
+                    starts: Callable[[int], bool], region_depth: int | None
+                    ) -> Iterable[list[int]]:
+    """Per backward region that reads a value of ``dropped``, the nodes it replays."""
     def reads(n: Node) -> bool:
         return any(v in dropped for v in n.inputs)
 
     for region in backward_regions(program, reads, region_depth):
         targets = [v for i in region for v in program.nodes[i].inputs if v in dropped]
-        nodes, _ = replay_chain(program, list(dict.fromkeys(targets)), starts)
-        total += sum(program.nodes[i].flops for i in nodes)
-    return total
+        yield replay_chain(program, list(dict.fromkeys(targets)), starts)[0]
 
 
 class MarginalReplay:
