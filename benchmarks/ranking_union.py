@@ -43,6 +43,7 @@ import argparse
 import json
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -121,12 +122,7 @@ def step_rows(path: str, drop: tuple[str, ...] = ()
     figures (``over``: % above the best; ``n``: plans in the set). ``drop``: candidates
     whose name holds one of these are left out, as if not listed."""
     out = []
-    for m in json.loads(Path(path).read_text())["models"]:
-        m = dict(m, candidates=[c for c in m["candidates"]
-                                if not any(d in c["candidate"] for d in drop)])
-        rows = [c for c in m["candidates"] if c["kind"] == "plan" and c.get("compiled")]
-        if not rows:
-            continue
+    for m, rows in _steps(path, drop):
         model3, rewritten1 = first(rows, "model", 3), first(rows, "rewritten", 1)
         union = list({id(r): r for r in model3 + rewritten1}.values())
         sets = {"model3": model3, "rewritten1": rewritten1, "union": union,
@@ -136,6 +132,18 @@ def step_rows(path: str, drop: tuple[str, ...] = ()
         figs["all"] = {"over": over_best(every, sets["default"]), "n": len(sets["default"])}
         out.append((m["model"], m["target"], len(rows), figs))
     return out
+
+
+def _steps(path: str, drop: tuple[str, ...] = ()
+           ) -> Iterator[tuple[dict[str, Any], list[dict[str, Any]]]]:
+    """Each step of a ``prediction --plans`` file with a compiled plan: its entry (less
+    the candidates whose name holds one of ``drop``) and its compiled plan rows."""
+    for m in json.loads(Path(path).read_text())["models"]:
+        m = dict(m, candidates=[c for c in m["candidates"]
+                                if not any(d in c["candidate"] for d in drop)])
+        rows = [c for c in m["candidates"] if c["kind"] == "plan" and c.get("compiled")]
+        if rows:
+            yield m, rows
 
 
 def kind_of(name: str) -> str:
@@ -151,10 +159,7 @@ def kinds(paths: list[str]) -> dict[str, list[int]]:
     the lowest]``."""
     out: dict[str, list[int]] = {}
     for path in paths:
-        for m in json.loads(Path(path).read_text())["models"]:
-            rows = [c for c in m["candidates"] if c["kind"] == "plan" and c.get("compiled")]
-            if not rows:
-                continue
+        for _, rows in _steps(path):
             best = min(r["compiled"] for r in rows)
             low: dict[str, int] = {}
             for r in rows:

@@ -142,8 +142,7 @@ def test_a_rewrite_estimated_far_past_its_limit_is_not_built(monkeypatch):
     its regions replay) is close to the built program's: within the margin above it
     (``ESTIMATE_MARGIN``), and below it by the barriers; a limit the estimate passes by
     more than the margin raises ``TooLarge`` before a node is built (MEDL's per-layer plan
-    of GPT-2 small was built to its limit to learn that, a fifth of its crowd's
-    analysis)."""
+    of GPT-2 small was built to its limit to learn that)."""
     w = zoo.make("transformer", size="test", abstract=True)
     step, cands = _candidates(monkeypatch, w, "h100")
     for c in cands:

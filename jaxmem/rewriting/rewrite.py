@@ -37,7 +37,7 @@ from jaxmem.rewriting.substitutes import substitute_for
 from jaxmem.tracing.primitives import CHEAP
 from jaxmem.tracing.program import Node, Program, region_of
 
-__all__ = ["apply", "crossing_cotangents", "narrow_residuals", "rewrite"]
+__all__ = ["apply", "crossing_cotangents", "kept_by", "narrow_residuals", "rewrite"]
 
 
 class _Replay:
@@ -366,12 +366,17 @@ def replay(program: Program, plan: Plan, *, ops: Any = None, **options: Any) -> 
     returns), emitting through ``ops`` (:class:`~jaxmem.rewriting.emitters.Traced` when None; a
     :class:`jaxmem.rewriting.symbolic.Symbolic` builds the rewritten program's nodes
     without tracing)."""
-    chosen = frozenset(c.residual.value for c in plan.choices)
     if plan.unfenced:
         options = {**options, "fence_gradients": False}
-    run = rewrite(program, plan.recompute, plan.offload, chosen | plan.keep,
+    run = rewrite(program, plan.recompute, plan.offload, kept_by(plan),
                   region_depth=plan.region_depth, ops=ops, **options)
     return run.__self__
+
+
+def kept_by(plan: Plan) -> frozenset[int]:
+    """The kept values the replay of ``plan`` starts its chains from (:func:`replay`'s
+    ``residuals``): the residuals the plan chose for, and the values it keeps."""
+    return frozenset(c.residual.value for c in plan.choices) | plan.keep
 
 
 _RENAMED = {"persist": "reuse", "pin_narrow": "keep_narrow", "route_kept": "tie_kept"}

@@ -36,7 +36,7 @@ import jax
 from jaxmem import _jax
 from jaxmem.analyzing.chains import chain_start, replay_nodes
 from jaxmem.planning.plan import Plan
-from jaxmem.rewriting.rewrite import replay
+from jaxmem.rewriting.rewrite import kept_by, replay
 from jaxmem.tracing.primitives import Kind
 from jaxmem.tracing.program import Node, Program, Value, _Builder
 
@@ -291,11 +291,9 @@ ESTIMATE_MARGIN = 1.2
 
 def _replayed(program: Program, plan: Plan) -> int:
     """The nodes the rewrite of ``plan`` replays, its chains starting where the replay's
-    do (:func:`jaxmem.rewriting.rewrite.replay`: the plan's chosen residuals and kept
-    values)."""
-    kept = frozenset(c.residual.value for c in plan.choices) | plan.keep
+    do (:func:`jaxmem.rewriting.rewrite.kept_by`)."""
     return replay_nodes(program, plan.recompute,
-                        chain_start(program, dropped=plan.recompute, kept=kept),
+                        chain_start(program, dropped=plan.recompute, kept=kept_by(plan)),
                         plan.region_depth)
 
 
